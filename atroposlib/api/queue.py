@@ -1,0 +1,639 @@
+"""The trajectory queue: registrations, scored groups, batches and the step counter.
+
+:class:`TrajectoryQueue` is a plain, thread-safe object (no HTTP, no JSON parsing of requests):
+the HTTP layer (:mod:`atroposlib.api.server`) validates and serialises each group once, then
+calls :meth:`TrajectoryQueue.add_groups`; a trainer's ``GET /batch`` is
+:meth:`TrajectoryQueue.take_batch`, which concatenates the stored payloads. Every change goes to
+the :class:`~atroposlib.api.store.QueueStore` before it is acknowledged.
+
+Semantics (see ``docs/compat.md`` for how they differ from upstream):
+
+* Registration is an explicit flag. The first ``/register`` configures the run; later ones only
+  add a requester id. Groups may arrive before ``/register``; they wait in the queue.
+* Batches go out FIFO, one per ``take_batch`` call; the step advances only then.
+* Partial groups an env sends (fewer sequences than its registered ``group_size``) are buffered
+  and merged into one group of ``group_size`` as soon as buffered parts add up to it.
+* The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
+  the HTTP layer answers 429 with ``Retry-After``.
+* Nothing is dropped silently: every refused or dropped group is counted by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from atroposlib.api.models import GROUP_KEYS, PER_SEQUENCE_KEYS, RegisterEnv, Registration
+from atroposlib.api.packing import PackItem, exact_fill, pack_batch
+from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
+from atroposlib.api.utils import find_groups_summing_to_target
+
+logger = logging.getLogger(__name__)
+
+#: Floor of an env's share in ``/status-env`` so no env is starved completely (upstream's value).
+MIN_ENV_WEIGHT = 0.01
+
+#: ``/latest_example`` before any group arrived (upstream's shape).
+EMPTY_EXAMPLE: dict[str, list] = {
+    key: []
+    for key in (
+        "tokens",
+        "masks",
+        "scores",
+        "advantages",
+        "ref_logprobs",
+        "generation_params",
+        "inference_logprobs",
+        "messages",
+        "images",
+    )
+}
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds that keep the server's memory in check."""
+
+    max_sequences: int = 1_000_000
+    max_bytes: int = 1 << 30
+    retry_after_s: int = 1
+
+
+@dataclass(slots=True)
+class PreparedGroup:
+    """A validated group, serialised once, ready to be queued."""
+
+    env_id: int | None
+    size: int
+    longest: int
+    payload: bytes
+
+
+class Refused(Exception):
+    """A group the queue will not take. ``reason`` is the metric label, ``status`` the HTTP code."""
+
+    def __init__(
+        self, reason: str, message: str, loc: tuple[Any, ...] = (), status: int = 422
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.loc = loc
+        self.status = status
+
+
+class QueueFull(Refused):
+    """The queue is at its bound; the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__("queue_full", message, status=429)
+        self.retry_after = retry_after
+
+
+class UnknownEnv(LookupError):
+    """An ``env_id`` that no ``/register-env`` handed out."""
+
+
+def _merge_payloads(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """Merge partial groups of one env into one group. Returns the group and any fields that
+    had to be dropped because only some parts carried them."""
+    merged: dict[str, Any] = {}
+    lost: list[str] = []
+    for key in GROUP_KEYS:
+        values = [p.get(key) for p in parts]
+        if key in PER_SEQUENCE_KEYS:
+            if all(v is None for v in values):
+                merged[key] = None
+            elif all(isinstance(v, list) for v in values):
+                merged[key] = [x for v in values for x in v]
+            else:
+                merged[key] = None
+                lost.append(key)
+        elif key == "images" and all(isinstance(v, list) for v in values):
+            merged[key] = [x for v in values for x in v]
+        else:
+            merged[key] = next((v for v in values if v is not None), None)
+    return merged, lost
+
+
+class TrajectoryQueue:
+    """Thread-safe queue of scored groups with upstream Atropos's registration semantics."""
+
+    def __init__(self, store: QueueStore | None = None, limits: QueueLimits | None = None) -> None:
+        self.store: QueueStore = store or MemoryStore()
+        self.limits = limits or QueueLimits()
+        self._lock = threading.RLock()
+        self._init_state()
+        self._started_at = time.time()
+        # metrics (not persisted: they describe this process's lifetime)
+        self.accepted = Counter[str]()
+        self.refused = Counter[str]()
+        self.dropped = Counter[str]()
+        self.batches_served = 0
+        self.sequences_served = 0
+        self._restore()
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self) -> None:
+        self.registration: dict[str, Any] | None = None
+        self.step = 0
+        self.started = False
+        self.requesters: list[int] = []
+        self.envs: list[dict[str, Any]] = []
+        self._queue: dict[int, StoredGroup] = {}
+        self._buffers: dict[int, list[StoredGroup]] = {}
+        self._latest: bytes | None = None
+        self._next_gid = 1
+        self._queued_seqs = 0
+        self._queued_bytes = 0
+        self._buffered_seqs = 0
+        self._buffered_bytes = 0
+        self._seqs_by_env = Counter[Any]()
+        self._sizes_by_env: dict[Any, Counter[int]] = {}
+        # per-env counters belong to the run: env ids are reused after a reset
+        self.accepted_by_env = Counter[str]()
+        self.served_by_env = Counter[str]()
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "registration": self.registration,
+            "step": self.step,
+            "started": self.started,
+            "requesters": [str(r) for r in self.requesters],
+        }
+
+    def _restore(self) -> None:
+        state = self.store.load()
+        if not state.meta and not state.queued and not state.buffered:
+            return
+        self.registration = state.meta.get("registration")
+        self.step = int(state.meta.get("step", 0))
+        self.started = bool(state.meta.get("started", False))
+        self.requesters = [int(r) for r in state.meta.get("requesters", [])]
+        self.envs = state.envs
+        for group in state.queued:
+            self._enqueue(group)
+        for group in state.buffered:
+            self._buffers.setdefault(group.env_id, []).append(group)
+            self._buffered_seqs += group.size
+            self._buffered_bytes += len(group.payload)
+        gids = [g.gid for g in state.queued + state.buffered]
+        self._next_gid = max(gids, default=0) + 1
+        if state.queued:
+            self._latest = state.queued[-1].payload
+        logger.info(
+            "Restored from store: step %d, %d queued groups (%d sequences), %d buffered parts, "
+            "%d envs, trainer %s",
+            self.step,
+            len(self._queue),
+            self._queued_seqs,
+            sum(len(b) for b in self._buffers.values()),
+            len(self.envs),
+            "registered" if self.registration else "not registered",
+        )
+
+    def _enqueue(self, group: StoredGroup) -> None:
+        self._queue[group.gid] = group
+        self._queued_seqs += group.size
+        self._queued_bytes += len(group.payload)
+        self._seqs_by_env[group.env_id] += group.size
+        self._sizes_by_env.setdefault(group.env_id, Counter())[group.size] += 1
+
+    def _dequeue(self, group: StoredGroup) -> None:
+        del self._queue[group.gid]
+        self._queued_seqs -= group.size
+        self._queued_bytes -= len(group.payload)
+        self._seqs_by_env[group.env_id] -= group.size
+        if not self._seqs_by_env[group.env_id]:
+            del self._seqs_by_env[group.env_id]
+        sizes = self._sizes_by_env[group.env_id]
+        sizes[group.size] -= 1
+        if not sizes[group.size]:
+            del sizes[group.size]
+            if not sizes:
+                del self._sizes_by_env[group.env_id]
+
+    @property
+    def registered(self) -> bool:
+        """Whether a trainer has called ``/register`` (since the last reset)."""
+        return self.registration is not None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.registration["batch_size"]) if self.registration else -1
+
+    # ----------------------------------------------------------- registration
+    def register_trainer(self, reg: Registration) -> dict[str, int]:
+        """``/register``: the first call configures the run; later calls only get a new uuid."""
+        with self._lock:
+            if self.registration is None:
+                self.registration = reg.model_dump()
+                self.step = reg.starting_step
+                self.started = False
+                self._drop_unservable()
+                logger.info(
+                    "Trainer registered: batch_size=%d max_token_len=%d starting_step=%d "
+                    "num_steps=%d",
+                    reg.batch_size,
+                    reg.max_token_len,
+                    reg.starting_step,
+                    reg.num_steps,
+                )
+            elif reg.model_dump() != self.registration:
+                logger.warning(
+                    "Another /register with different settings; keeping the first registration "
+                    "(call /reset_data to start a new run)"
+                )
+            requester = uuid.uuid4().int
+            self.requesters.append(requester)
+            self.store.put_meta(self._meta())
+            return {"uuid": requester}
+
+    def _drop_unservable(self) -> None:
+        """Groups queued before registration that can never fit a batch are dropped, counted."""
+        batch, limit = self.batch_size, int(self.registration["max_token_len"])
+        for group in list(self._queue.values()):
+            reason = None
+            if group.size > batch:
+                reason = "larger_than_batch"
+            elif limit > 0:
+                tokens = orjson.loads(group.payload)["tokens"]
+                if max(len(t) for t in tokens) > limit:
+                    reason = "too_long"
+            if reason:
+                self._dequeue(group)
+                self.store.take([group.gid], self._meta())
+                self.dropped[reason] += 1
+                logger.warning("Dropped group %d queued before /register: %s", group.gid, reason)
+
+    def register_env(self, req: RegisterEnv) -> dict[str, Any]:
+        """``/register-env``: add an env once the trainer has fetched its first batch."""
+        with self._lock:
+            if not self.started:
+                return {"status": "wait for trainer to start"}
+            same_name = sum(1 for e in self.envs if e["desired_name"] == req.desired_name)
+            env_id = len(self.envs)
+            record = {
+                "max_context_len": req.max_token_length,
+                "weight": req.weight,
+                "desired_name": req.desired_name,
+                "real_name": f"{req.desired_name}_{same_name}",
+                "registered_id": env_id,
+                "last_update": time.time(),
+                "connected": True,
+                "min_batch_allocation": req.min_batch_allocation,
+                "group_size": req.group_size,
+            }
+            self.envs.append(record)
+            self.store.put_env(env_id, record)
+            logger.info(
+                "Env registered: id=%d name=%s group_size=%d weight=%g",
+                env_id,
+                record["real_name"],
+                req.group_size,
+                req.weight,
+            )
+            reg = self.registration or {}
+            return {
+                "status": "success",
+                "env_id": env_id,
+                "wandb_name": record["real_name"],
+                "checkpoint_dir": reg.get("checkpoint_dir", ""),
+                "starting_step": self.step,
+                "checkpoint_interval": reg.get("save_checkpoint_interval", -1),
+                "num_steps": reg.get("num_steps", -1),
+            }
+
+    def _env(self, env_id: int) -> dict[str, Any]:
+        if not 0 <= env_id < len(self.envs):
+            raise UnknownEnv(
+                f"unknown env_id {env_id}: {len(self.envs)} env(s) registered"
+                " (register with /register-env; the API may have been reset)"
+            )
+        return self.envs[env_id]
+
+    def disconnect_env(self, env_id: int) -> dict[str, str]:
+        """Mark an env disconnected. Its buffered partial groups are queued as they are."""
+        with self._lock:
+            record = self._env(env_id)
+            record["connected"] = False
+            record["last_update"] = time.time()
+            self.store.put_env(env_id, record)
+            parts = self._buffers.pop(env_id, [])
+            if parts:
+                self.store.promote([p.gid for p in parts])
+                for part in parts:
+                    self._buffered_seqs -= part.size
+                    self._buffered_bytes -= len(part.payload)
+                    self._enqueue(part)
+                logger.info("Env %d disconnected; queued its %d partial groups", env_id, len(parts))
+            return {"status": "success"}
+
+    # ------------------------------------------------------------ read-only
+    def wandb_info(self) -> dict[str, Any]:
+        reg = self.registration or {}
+        return {"group": reg.get("wandb_group"), "project": reg.get("wandb_project")}
+
+    def info(self) -> dict[str, int]:
+        if not self.registration:
+            return {"batch_size": -1, "max_token_len": -1}
+        return {
+            "batch_size": self.batch_size,
+            "max_token_len": int(self.registration["max_token_len"]),
+        }
+
+    def status(self) -> dict[str, int]:
+        with self._lock:
+            return {"current_step": self.step, "queue_size": len(self._queue)}
+
+    def status_env(self, env_id: int) -> dict[str, Any]:
+        """Upstream's per-env view of the queue, used by envs to throttle themselves."""
+        with self._lock:
+            record = self._env(env_id)
+            connected = [e for e in self.envs if e["connected"]]
+            total = sum(e["max_context_len"] * max(0.0, e["weight"]) for e in connected)
+            share = record["max_context_len"] * record["weight"] / total if total > 0 else 0.0
+            env_weight = max(MIN_ENV_WEIGHT, share)
+            minimum_total = sum(
+                e["min_batch_allocation"]
+                for e in connected
+                if e.get("min_batch_allocation") is not None
+            )
+            unallocated = 1.0 - min(minimum_total, 1.0)
+
+            max_group_size = max(
+                (max(sizes) for sizes in self._sizes_by_env.values() if sizes), default=1
+            )
+            max_group_size = max(max_group_size, 1)
+            own_sizes = self._sizes_by_env.get(env_id)
+            env_group_size = max(record["group_size"], max(own_sizes) if own_sizes else 0, 1)
+            own = self._seqs_by_env.get(env_id, 0)
+
+            available = 0
+            if max_group_size > 1:
+                batch = max(self.batch_size, 0)
+                minimum_seqs = {
+                    e["registered_id"]: int(batch * e["min_batch_allocation"])
+                    for e in connected
+                    if e.get("min_batch_allocation") is not None
+                }
+                for other, seqs in self._seqs_by_env.items():
+                    if other == env_id or seqs <= 0:
+                        continue
+                    packed = math.ceil(seqs / max_group_size) * max_group_size
+                    available += max(0, packed - minimum_seqs.get(other, 0))
+
+            return {
+                "current_step": self.step,
+                "queue_size": (own + available) // env_group_size,
+                "unallocated_fraction": unallocated,
+                "self_queue_size": own // env_group_size,
+                "max_group_size": max_group_size,
+                "env_weight": env_weight,
+            }
+
+    def latest_example(self) -> bytes:
+        """Serialised last group that entered the queue (or upstream's empty shape)."""
+        latest = self._latest
+        return latest if latest is not None else orjson.dumps(EMPTY_EXAMPLE)
+
+    # ---------------------------------------------------------------- ingest
+    def check(self, groups: list[PreparedGroup]) -> None:
+        """Raise :class:`Refused` if any group cannot be taken (nothing is changed)."""
+        reg = self.registration
+        new_seqs = 0
+        new_bytes = 0
+        for i, group in enumerate(groups):
+            prefix: tuple[Any, ...] = (i,) if len(groups) > 1 else ()
+            if group.env_id is not None and not 0 <= group.env_id < len(self.envs):
+                raise Refused(
+                    "unknown_env",
+                    f"unknown env_id {group.env_id}: {len(self.envs)} env(s) registered "
+                    "(register with /register-env; the API may have been reset)",
+                    prefix + ("env_id",),
+                )
+            if reg is not None:
+                if group.size > self.batch_size > 0:
+                    raise Refused(
+                        "larger_than_batch",
+                        f"group of {group.size} sequences can never fit a batch of "
+                        f"{self.batch_size} sequences",
+                        prefix + ("tokens",),
+                    )
+                limit = int(reg["max_token_len"])
+                if 0 < limit < group.longest:
+                    raise Refused(
+                        "too_long",
+                        f"a sequence has {group.longest} tokens, more than the trainer's "
+                        f"max_token_len of {limit}",
+                        prefix + ("tokens",),
+                    )
+            if len(group.payload) > self.limits.max_bytes:
+                raise Refused(
+                    "group_too_large",
+                    f"group is {len(group.payload)} bytes serialised, more than the queue's "
+                    f"byte limit of {self.limits.max_bytes}",
+                    prefix,
+                    status=413,
+                )
+            new_seqs += group.size
+            new_bytes += len(group.payload)
+        held_seqs = self._queued_seqs + self._buffered_seqs
+        held_bytes = self._queued_bytes + self._buffered_bytes
+        if (
+            held_seqs + new_seqs > self.limits.max_sequences
+            or held_bytes + new_bytes > self.limits.max_bytes
+        ):
+            raise QueueFull(
+                f"queue is full ({held_seqs} sequences, {held_bytes} bytes held; limits "
+                f"{self.limits.max_sequences} sequences, {self.limits.max_bytes} bytes): "
+                "retry later",
+                self.limits.retry_after_s,
+            )
+
+    def add_groups(self, groups: list[PreparedGroup]) -> list[dict[str, Any]]:
+        """Queue (or buffer) validated groups, all or none. Returns one status per group."""
+        with self._lock:
+            try:
+                self.check(groups)
+            except Refused as exc:
+                self.refused[exc.reason] += len(groups)
+                raise
+            results = []
+            for group in groups:
+                stored = StoredGroup(self._next_gid, group.env_id, group.size, group.payload)
+                self._next_gid += 1
+                self.accepted["groups"] += 1
+                self.accepted["sequences"] += group.size
+                self.accepted_by_env[str(group.env_id)] += 1
+                env = self.envs[group.env_id] if group.env_id is not None else None
+                if env is not None and env["connected"] and group.size < env["group_size"]:
+                    results.append(self._buffer(stored, env["group_size"]))
+                else:
+                    self.store.insert([stored], buffered=False)
+                    self._enqueue(stored)
+                    self._latest = stored.payload
+                    results.append({"status": "received"})
+            return results
+
+    def _buffer(self, part: StoredGroup, target: int) -> dict[str, Any]:
+        env_id = part.env_id
+        assert env_id is not None
+        self.store.insert([part], buffered=True)
+        buffer = self._buffers.setdefault(env_id, [])
+        buffer.append(part)
+        self._buffered_seqs += part.size
+        self._buffered_bytes += len(part.payload)
+        picked = find_groups_summing_to_target([{"tokens": [0] * p.size} for p in buffer], target)
+        if picked:
+            parts = [buffer[i] for i in picked]
+            for i in reversed(picked):
+                buffer.pop(i)
+            if not buffer:
+                del self._buffers[env_id]
+            self._buffered_seqs -= sum(p.size for p in parts)
+            self._buffered_bytes -= sum(len(p.payload) for p in parts)
+            merged, lost = _merge_payloads([orjson.loads(p.payload) for p in parts])
+            if lost:
+                self.dropped["merge_field_mismatch"] += 1
+                logger.warning(
+                    "Merged %d partial groups of env %d; dropped fields only some parts had: %s",
+                    len(parts),
+                    env_id,
+                    ", ".join(lost),
+                )
+            group = StoredGroup(self._next_gid, env_id, target, orjson.dumps(merged))
+            self._next_gid += 1
+            self.store.merge([p.gid for p in parts], group)
+            self._enqueue(group)
+            self._latest = group.payload
+        return {
+            "status": "buffered",
+            "buffer_size": sum(p.size for p in self._buffers.get(env_id, [])),
+        }
+
+    # ----------------------------------------------------------------- batch
+    def _min_allocations(self) -> dict[int, float]:
+        return {
+            e["registered_id"]: e["min_batch_allocation"]
+            for e in self.envs
+            if e["connected"] and e.get("min_batch_allocation") is not None
+        }
+
+    def take_batch(self) -> bytes | dict[str, Any]:
+        """Hand out the next batch as serialised ``{"batch": [...]}`` bytes.
+
+        Returns upstream's error dict when no trainer registered, and ``{"batch": None}`` when
+        the queue cannot fill a batch yet. The step advances by one per batch handed out.
+        """
+        with self._lock:
+            if not self.registered:
+                return {
+                    "status": "error",
+                    "message": "Trainer not registered. Call /register first.",
+                    "batch": [],
+                }
+            if not self.started:
+                self.started = True
+                self.store.put_meta(self._meta())
+            chosen = self._choose()
+            if not chosen:
+                return {"batch": None}
+            for group in chosen:
+                self._dequeue(group)
+            self.step += 1
+            self.store.take([g.gid for g in chosen], self._meta())
+            self.batches_served += 1
+            seqs = sum(g.size for g in chosen)
+            self.sequences_served += seqs
+            for g in chosen:
+                self.served_by_env[str(g.env_id)] += 1
+            logger.info(
+                "Batch for step %d: %d sequences in %d groups (%d groups still queued)",
+                self.step,
+                seqs,
+                len(chosen),
+                len(self._queue),
+            )
+            return b'{"batch":[' + b",".join(g.payload for g in chosen) + b"]}"
+
+    def _choose(self) -> list[StoredGroup]:
+        batch_size = self.batch_size
+        if self._queued_seqs < batch_size:
+            return []
+        minimums = self._min_allocations()
+        if minimums:
+            groups = list(self._queue.values())
+            picked = pack_batch([PackItem(g.size, g.env_id) for g in groups], batch_size, minimums)
+            return [groups[i] for i in picked] if picked else []
+        seen: list[StoredGroup] = []
+
+        def sizes() -> Iterator[int]:
+            for group in self._queue.values():
+                seen.append(group)
+                yield group.size
+
+        picked = exact_fill(sizes(), batch_size)
+        return [seen[i] for i in picked] if picked else []
+
+    # ----------------------------------------------------------------- reset
+    def reset(self) -> None:
+        """``/reset_data``: forget the run. Queued and buffered groups are counted as dropped."""
+        with self._lock:
+            dropped = len(self._queue) + sum(len(b) for b in self._buffers.values())
+            if dropped:
+                self.dropped["reset"] += dropped
+                logger.warning("Reset: dropping %d queued/buffered groups", dropped)
+            self._init_state()
+            self.store.clear(self._meta())
+
+    # --------------------------------------------------------------- metrics
+    def metrics(self) -> dict[str, Any]:
+        """Counters and gauges for ``/metrics``."""
+        with self._lock:
+            return {
+                "registered": self.registered,
+                "step": self.step,
+                "batch_size": self.batch_size,
+                "queue_groups": len(self._queue),
+                "queue_sequences": self._queued_seqs,
+                "queue_bytes": self._queued_bytes,
+                "buffered_groups": sum(len(b) for b in self._buffers.values()),
+                "buffered_sequences": self._buffered_seqs,
+                "buffered_bytes": self._buffered_bytes,
+                "limit_sequences": self.limits.max_sequences,
+                "limit_bytes": self.limits.max_bytes,
+                "accepted_groups": self.accepted["groups"],
+                "accepted_sequences": self.accepted["sequences"],
+                "refused": dict(self.refused),
+                "dropped": dict(self.dropped),
+                "batches_served": self.batches_served,
+                "sequences_served": self.sequences_served,
+                "envs": [
+                    {
+                        "env_id": e["registered_id"],
+                        "name": e["real_name"],
+                        "connected": e["connected"],
+                        "queued_sequences": self._seqs_by_env.get(e["registered_id"], 0),
+                        "accepted_groups": self.accepted_by_env.get(str(e["registered_id"]), 0),
+                        "served_groups": self.served_by_env.get(str(e["registered_id"]), 0),
+                    }
+                    for e in self.envs
+                ],
+                "uptime_s": time.time() - self._started_at,
+                "durable": bool(getattr(self.store, "durable", False)),
+            }
+
+    def count_refused(self, reason: str, groups: int = 1) -> None:
+        """Count a request the HTTP layer refused before it reached the queue."""
+        with self._lock:
+            self.refused[reason] += groups

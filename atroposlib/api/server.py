@@ -1,0 +1,609 @@
+"""The trajectory API: a thin HTTP layer over :class:`~atroposlib.api.queue.TrajectoryQueue`.
+
+Same endpoints, methods, request fields and response shapes as upstream Atropos
+(``atroposlib.api.server:app``), so upstream environments, trainers and scripts work unchanged.
+What differs is documented in ``docs/compat.md``: bad input gets a 4xx that names the field
+instead of a 500, batches go out FIFO, the queue is bounded (429 + ``Retry-After``) and can be
+made durable (``run-api --store PATH``).
+
+Performance notes: each group is validated and serialised once when it arrives (in a worker
+thread, off the event loop); ``GET /batch`` concatenates stored payloads, and compresses the
+answer in a worker thread when the client accepts gzip.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from atroposlib.api.models import (
+    EnvIdentifier,
+    GroupError,
+    RegisterEnv,
+    Registration,
+    ScoredData,
+    check_group,
+)
+from atroposlib.api.queue import (
+    PreparedGroup,
+    QueueFull,
+    QueueLimits,
+    Refused,
+    TrajectoryQueue,
+    UnknownEnv,
+)
+from atroposlib.api.settings import ApiSettings
+from atroposlib.api.store import MemoryStore, SqliteStore
+
+logger = logging.getLogger("atroposlib.api")
+
+#: Bodies at least this large are parsed, (de)compressed and serialised in a worker thread.
+_OFFLOAD_BYTES = 64 * 1024
+#: Responses smaller than this are never gzipped (upstream's GZipMiddleware minimum_size).
+_GZIP_MINIMUM = 1000
+
+_SCORED_LIST = TypeAdapter(list[ScoredData])
+
+
+class HTTPProblem(Exception):
+    """An error answered as ``{"detail": [...]}`` (FastAPI's shape) with a status code."""
+
+    def __init__(
+        self,
+        status: int,
+        msg: str,
+        loc: tuple[Any, ...] = ("body",),
+        kind: str = "value_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(msg)
+        self.status = status
+        self.detail = [{"loc": list(loc), "msg": msg, "type": kind}]
+        self.headers = headers
+
+
+class RequestBodyMiddleware:
+    """Request gzip (``Content-Encoding: gzip``) and a cap on body size.
+
+    Like upstream, a gzip body is decompressed and handed on without the header; a body that is
+    not valid gzip gets ``400 Invalid gzip payload``. Unlike upstream, the decompressed size is
+    capped (a gzip bomb gets 413) and large bodies are decompressed in a worker thread.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[str], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        encoding = headers.get("content-encoding", "").lower()
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        if "gzip" not in encoding:
+            await self.app(scope, self._capped(receive), send)
+            return
+
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            if len(body) >= _OFFLOAD_BYTES:
+                plain = await run_in_threadpool(self._gunzip, body)
+            else:
+                plain = self._gunzip(body)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+            return
+        except (OSError, EOFError, zlib.error):
+            self.on_refused("bad_gzip")
+            await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
+            return
+
+        mutable = MutableHeaders(scope=scope)
+        mutable["content-length"] = str(len(plain))
+        del mutable["content-encoding"]
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": plain, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _gunzip(self, body: bytes) -> bytes:
+        if not body:
+            return b""
+        out = bytearray()
+        data = body
+        while data:
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            out += inflater.decompress(data, self.max_bytes + 1 - len(out))
+            if len(out) > self.max_bytes or inflater.unconsumed_tail:
+                raise _TooLarge
+            if not inflater.eof:
+                raise EOFError("truncated gzip stream")
+            data = inflater.unused_data  # concatenated gzip members
+        return bytes(out)
+
+    def _capped(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        return wrapped
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_refused("body_too_large")
+        response = JSONResponse(
+            {
+                "detail": [
+                    {
+                        "loc": ["body"],
+                        "msg": f"request body exceeds the limit of {self.max_bytes} bytes "
+                        "(run-api --max-request-bytes)",
+                        "type": "too_large",
+                    }
+                ]
+            },
+            status_code=413,
+        )
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class SkipPrecompressedGZip(GZipMiddleware):
+    """Starlette's response gzip, leaving alone responses that already set Content-Encoding."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/batch":
+            await self.app(scope, receive, send)  # /batch compresses itself off the loop
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _accepts_gzip(request: Request) -> bool:
+    return "gzip" in request.headers.get("accept-encoding", "").lower()
+
+
+def _json_bytes(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        # Python's json module (what `requests` uses) writes NaN/Infinity, which orjson refuses;
+        # parse them so the checks can name the field instead of failing the whole body.
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPProblem(
+            400, f"request body is not valid JSON: {exc}", kind="json_invalid"
+        ) from None
+
+
+def _validation_problem(exc: ValidationError, prefix: tuple[Any, ...] = ()) -> HTTPProblem:
+    problem = HTTPProblem(422, "invalid request body")
+    problem.detail = [
+        {"loc": ["body", *prefix, *err["loc"]], "msg": err["msg"], "type": err["type"]}
+        for err in exc.errors(include_url=False, include_input=False)
+    ]
+    return problem
+
+
+def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
+    """Parse, validate and serialise the body of ``/scored_data`` (or ``_list``)."""
+    data = _json_bytes(raw)
+    if many:
+        if not isinstance(data, list):
+            raise HTTPProblem(422, "body must be a JSON array of scored groups", kind="list_type")
+        if not data:
+            raise HTTPProblem(422, "body is an empty list: send at least one group")
+        try:
+            groups = _SCORED_LIST.validate_python(data)
+        except ValidationError as exc:
+            raise _validation_problem(exc) from None
+    else:
+        if not isinstance(data, dict):
+            raise HTTPProblem(
+                422, "body must be a JSON object (one scored group)", kind="dict_type"
+            )
+        try:
+            groups = [ScoredData.model_validate(data)]
+        except ValidationError as exc:
+            raise _validation_problem(exc) from None
+
+    prepared = []
+    for i, group in enumerate(groups):
+        try:
+            check_group(group)
+        except GroupError as exc:
+            loc = ((i,) if many else ()) + exc.loc
+            raise HTTPProblem(422, exc.msg, ("body", *loc)) from None
+        prepared.append(
+            PreparedGroup(
+                env_id=group.env_id,
+                size=len(group.tokens),
+                longest=max(len(t) for t in group.tokens),
+                payload=group.model_dump_json().encode(),
+            )
+        )
+    return prepared
+
+
+def _problem_response(problem: HTTPProblem) -> JSONResponse:
+    return JSONResponse({"detail": problem.detail}, problem.status, headers=problem.headers)
+
+
+def _prometheus(m: dict[str, Any]) -> str:
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP atropos_{name} {help_}")
+        lines.append(f"# TYPE atropos_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"atropos_{name}{labels} {value}")
+
+    metric("step", "gauge", "Trainer step (batches handed out).", [("", m["step"])])
+    metric("queue_groups", "gauge", "Groups waiting in the queue.", [("", m["queue_groups"])])
+    metric("queue_sequences", "gauge", "Sequences in the queue.", [("", m["queue_sequences"])])
+    metric("queue_bytes", "gauge", "Serialised bytes in the queue.", [("", m["queue_bytes"])])
+    metric(
+        "buffered_sequences",
+        "gauge",
+        "Sequences in partial groups waiting to be merged.",
+        [("", m["buffered_sequences"])],
+    )
+    metric("limit_bytes", "gauge", "Queue byte limit.", [("", m["limit_bytes"])])
+    metric("limit_sequences", "gauge", "Queue sequence limit.", [("", m["limit_sequences"])])
+    metric("accepted_groups_total", "counter", "Groups accepted.", [("", m["accepted_groups"])])
+    metric(
+        "accepted_sequences_total",
+        "counter",
+        "Sequences accepted.",
+        [("", m["accepted_sequences"])],
+    )
+    metric(
+        "refused_groups_total",
+        "counter",
+        "Groups (or requests) refused, by reason.",
+        [(f'{{reason="{k}"}}', v) for k, v in sorted(m["refused"].items())],
+    )
+    metric(
+        "dropped_groups_total",
+        "counter",
+        "Accepted groups dropped later, by reason.",
+        [(f'{{reason="{k}"}}', v) for k, v in sorted(m["dropped"].items())],
+    )
+    metric("batches_served_total", "counter", "Batches handed out.", [("", m["batches_served"])])
+    metric(
+        "sequences_served_total",
+        "counter",
+        "Sequences handed out.",
+        [("", m["sequences_served"])],
+    )
+    env_samples = [(f'{{env_id="{e["env_id"]}",name="{e["name"]}"}}', e) for e in m["envs"]]
+    metric(
+        "env_queued_sequences",
+        "gauge",
+        "Queued sequences per env.",
+        [(lbl, e["queued_sequences"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_accepted_groups_total",
+        "counter",
+        "Accepted groups per env.",
+        [(lbl, e["accepted_groups"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_served_groups_total",
+        "counter",
+        "Groups handed out per env.",
+        [(lbl, e["served_groups"]) for lbl, e in env_samples],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    """Build the trajectory API application around a fresh :class:`TrajectoryQueue`."""
+    settings = settings or ApiSettings.from_env()
+    store = (
+        SqliteStore(settings.store, synchronous=settings.store_sync)
+        if settings.store
+        else MemoryStore()
+    )
+    queue = TrajectoryQueue(
+        store,
+        QueueLimits(
+            max_sequences=settings.max_queue_sequences,
+            max_bytes=settings.max_queue_bytes,
+            retry_after_s=settings.retry_after_s,
+        ),
+    )
+
+    app = FastAPI(
+        title="AtroposLib API",
+        description="Trajectory API: environments POST scored groups, trainers GET batches.",
+    )
+    app.state.queue = queue
+    app.state.settings = settings
+
+    app.add_middleware(SkipPrecompressedGZip, minimum_size=_GZIP_MINIMUM)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=["*"],
+        allow_credentials=True,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+    app.add_middleware(
+        RequestBodyMiddleware,
+        max_bytes=settings.max_request_bytes,
+        on_refused=queue.count_refused,
+    )
+
+    @app.exception_handler(HTTPProblem)
+    async def _problem(_: Request, exc: HTTPProblem) -> JSONResponse:
+        return _problem_response(exc)
+
+    @app.exception_handler(_TooLarge)
+    async def _too_large(_: Request, exc: _TooLarge) -> JSONResponse:
+        queue.count_refused("body_too_large")
+        return JSONResponse(
+            {"detail": [{"loc": ["body"], "msg": "request body too large", "type": "too_large"}]},
+            413,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        queue.count_refused("invalid")
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, 422)
+
+    @app.on_event("shutdown")
+    async def _close_store() -> None:
+        store.close()
+
+    @app.get("/")
+    async def root() -> dict[str, str]:
+        return {"message": "AtroposLib API"}
+
+    @app.post("/register")
+    async def register(registration: Registration) -> dict[str, int]:
+        """Trainer registration. The first call configures the run; later calls add a uuid."""
+        if registration.batch_size <= 0:
+            raise HTTPProblem(
+                422, "batch_size must be a positive number of sequences", ("body", "batch_size")
+            )
+        return await run_in_threadpool(queue.register_trainer, registration)
+
+    @app.post("/register-env")
+    async def register_env(register_env: RegisterEnv) -> dict[str, Any]:
+        """Env registration; answers ``wait for trainer to start`` until the first ``/batch``."""
+        if register_env.group_size <= 0:
+            raise HTTPProblem(422, "group_size must be at least 1", ("body", "group_size"))
+        fraction = register_env.min_batch_allocation
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise HTTPProblem(
+                422,
+                "min_batch_allocation must be between 0 and 1",
+                ("body", "min_batch_allocation"),
+            )
+        return await run_in_threadpool(queue.register_env, register_env)
+
+    @app.post("/disconnect-env")
+    async def disconnect_env(body: EnvIdentifier) -> Any:
+        try:
+            return await run_in_threadpool(queue.disconnect_env, body.env_id)
+        except UnknownEnv as exc:
+            return JSONResponse({"status": "failure", "error": str(exc)}, 404)
+
+    @app.get("/wandb_info")
+    async def wandb_info() -> dict[str, Any]:
+        return queue.wandb_info()
+
+    @app.get("/info")
+    async def info() -> dict[str, int]:
+        return queue.info()
+
+    @app.get("/status")
+    async def status() -> dict[str, int]:
+        return queue.status()
+
+    @app.api_route("/status-env", methods=["GET", "POST"])
+    async def status_env(request: Request) -> Any:
+        """Per-env queue view. ``env_id`` from ``?env_id=`` or a JSON body (GET or POST)."""
+        env_id: Any = request.query_params.get("env_id")
+        if env_id is None:
+            raw = await request.body()
+            if not raw:
+                raise HTTPProblem(
+                    422, "env_id is required (JSON body or ?env_id=)", ("body", "env_id"), "missing"
+                )
+            data = _json_bytes(raw)
+            if not isinstance(data, dict) or "env_id" not in data:
+                raise HTTPProblem(422, "env_id is required", ("body", "env_id"), "missing")
+            env_id = data["env_id"]
+            loc: tuple[Any, ...] = ("body", "env_id")
+        else:
+            loc = ("query", "env_id")
+        try:
+            env_id = EnvIdentifier.model_validate({"env_id": env_id}).env_id
+        except ValidationError:
+            raise HTTPProblem(422, "env_id must be an integer", loc, "int_parsing") from None
+        try:
+            return queue.status_env(env_id)
+        except UnknownEnv as exc:
+            raise HTTPProblem(404, str(exc), loc, "unknown_env") from None
+
+    async def _ingest(request: Request, many: bool) -> Any:
+        raw = await request.body()
+        try:
+            if len(raw) >= _OFFLOAD_BYTES:
+                groups = await run_in_threadpool(prepare_groups, raw, many)
+            else:
+                groups = prepare_groups(raw, many)
+        except HTTPProblem as exc:
+            queue.count_refused("invalid" if exc.status == 422 else "bad_json")
+            raise
+        try:
+            if queue.store.durable:
+                results = await run_in_threadpool(queue.add_groups, groups)
+            else:
+                results = queue.add_groups(groups)
+        except QueueFull as exc:
+            raise HTTPProblem(
+                429,
+                exc.message,
+                ("body",),
+                "queue_full",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from None
+        except Refused as exc:
+            raise HTTPProblem(exc.status, exc.message, ("body", *exc.loc), exc.reason) from None
+        if not many:
+            return results[0]
+        reply: dict[str, Any] = {"status": "received", "groups_processed": len(results)}
+        buffered = [r for r in results if r["status"] == "buffered"]
+        if buffered:
+            reply["buffered"] = len(buffered)
+            reply["last_buffer_size"] = buffered[-1]["buffer_size"]
+        return reply
+
+    scored_schema = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": ScoredData.model_json_schema()}},
+        }
+    }
+    scored_list_schema = {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "array", "items": ScoredData.model_json_schema()}
+                }
+            },
+        }
+    }
+
+    @app.post("/scored_data", openapi_extra=scored_schema)
+    async def scored_data(request: Request) -> Any:
+        """Queue one scored group (``ScoredData``)."""
+        return await _ingest(request, many=False)
+
+    @app.post("/scored_data_list", openapi_extra=scored_list_schema)
+    async def scored_data_list(request: Request) -> Any:
+        """Queue several scored groups at once (all or none)."""
+        return await _ingest(request, many=True)
+
+    @app.get("/batch")
+    async def batch(request: Request) -> Response:
+        """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready."""
+        result = (
+            await run_in_threadpool(queue.take_batch) if queue.store.durable else queue.take_batch()
+        )
+        if isinstance(result, dict):
+            return Response(orjson.dumps(result), media_type="application/json")
+        if len(result) >= _GZIP_MINIMUM and _accepts_gzip(request):
+            level = settings.gzip_level
+            body = await run_in_threadpool(gzip.compress, result, level)
+            return Response(
+                body,
+                media_type="application/json",
+                headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"},
+            )
+        return Response(result, media_type="application/json")
+
+    @app.get("/latest_example")
+    async def latest_example() -> Response:
+        return Response(queue.latest_example(), media_type="application/json")
+
+    @app.api_route("/reset_data", methods=["GET", "POST"])
+    async def reset_data() -> PlainTextResponse:
+        """Forget the run: registration, envs, queue (dropped groups are counted) and step."""
+        await run_in_threadpool(queue.reset)
+        return PlainTextResponse("Reset successful", status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(format: str = "prometheus") -> Response:
+        """Queue depth, accepted/refused/dropped counts by reason, batches served, per env.
+
+        Prometheus text by default; ``?format=json`` for JSON.
+        """
+        snapshot = queue.metrics()
+        if format == "json":
+            return Response(orjson.dumps(snapshot), media_type="application/json")
+        if format != "prometheus":
+            raise HTTPProblem(422, "format must be prometheus or json", ("query", "format"))
+        return PlainTextResponse(_prometheus(snapshot), media_type="text/plain; version=0.0.4")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness probe (not in upstream)."""
+        return {"status": "ok", "registered": queue.registered, "step": queue.step}
+
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """Factory for ``uvicorn --factory`` (used by ``run-api --reload``): settings from env vars."""
+    return create_app(ApiSettings.from_env())
+
+
+_default_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """Upstream's import path ``atroposlib.api.server:app``, built on first access from the
+    ``ATROPOS_*`` environment variables (so importing this module opens no store)."""
+    global _default_app
+    if name == "app":
+        if _default_app is None:
+            _default_app = create_app_from_env()
+        return _default_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

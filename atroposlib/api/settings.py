@@ -1,0 +1,102 @@
+"""Settings of the trajectory API server: one pydantic model, the source of ``run-api --help``,
+the ``ATROPOS_*`` environment variables and the table in CONFIG.md."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: Any) -> int:
+    """``"512M"``, ``"1GiB"``, ``"1.5g"`` or a plain number of bytes -> bytes (binary units)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 512M or 1G")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size (examples: 1048576, 512M, 1G, 2GiB)")
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+class ApiSettings(BaseModel):
+    """How ``run-api`` serves the trajectory API. Every field is also an environment variable
+    ``ATROPOS_<FIELD>`` (e.g. ``ATROPOS_MAX_QUEUE_BYTES=2G``); command-line flags win."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to bind. Loopback by default; use 0.0.0.0 to accept remote envs "
+        "and trainers (upstream's default).",
+    )
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    store: str | None = Field(
+        None,
+        description="Path of an SQLite file that makes the queue durable: registrations, envs, "
+        "queued groups and the step survive a crash or restart. Unset: in memory only.",
+    )
+    store_sync: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL",
+        description="SQLite synchronous mode for --store: NORMAL survives process crashes "
+        "(kill -9); FULL also survives power loss, at one fsync per POST.",
+    )
+    max_queue_sequences: int = Field(
+        262_144,
+        ge=1,
+        description="Most sequences held (queued plus buffered partial groups). Past it, POSTs "
+        "get 429 with Retry-After.",
+    )
+    max_queue_bytes: int = Field(
+        1 << 30,
+        ge=1,
+        description="Most serialised bytes held in the queue (accepts 512M, 2G, ...). Past it, "
+        "POSTs get 429 with Retry-After.",
+    )
+    max_request_bytes: int = Field(
+        256 << 20,
+        ge=1,
+        description="Largest request body accepted, after gzip decompression (accepts 64M, ...). "
+        "Larger bodies get 413.",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="Seconds sent in Retry-After when the queue is full."
+    )
+    gzip_level: int = Field(
+        1,
+        ge=1,
+        le=9,
+        description="gzip level for /batch responses to clients that accept gzip (1 is fastest).",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Server log level."
+    )
+
+    @field_validator("max_queue_bytes", "max_request_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @field_validator("store_sync", "log_level", mode="before")
+    @classmethod
+    def _case(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        return value.upper() if value.lower() in ("normal", "full") else value.lower()
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ApiSettings:
+        """Settings from ``ATROPOS_*`` variables, then ``overrides`` on top."""
+        environ = dict(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = f"ATROPOS_{name.upper()}"
+            if environ.get(key, "") != "":
+                values[name] = environ[key]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)

@@ -1,0 +1,229 @@
+"""Persistence for the trajectory queue: in memory (default, fastest) or SQLite (durable).
+
+The queue (:mod:`atroposlib.api.queue`) holds the truth in memory and tells its store about
+every change *before* it acknowledges it. :class:`MemoryStore` ignores the news;
+:class:`SqliteStore` writes each change in one transaction to an embedded SQLite database in WAL
+mode, so after a crash or ``kill -9`` a restart on the same file finds every acknowledged group
+either still queued or already handed out in a batch, never both and never neither.
+
+A store knows nothing about packing rules: it persists groups (opaque serialised payloads with
+their size and env), env records and a few metadata values.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class StoredGroup:
+    """A group as the queue keeps it: serialised once at ingest, served as-is."""
+
+    gid: int
+    env_id: int | None
+    size: int
+    payload: bytes
+
+
+@dataclass
+class StoredState:
+    """Everything a store hands back at start-up."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    envs: list[dict[str, Any]] = field(default_factory=list)
+    queued: list[StoredGroup] = field(default_factory=list)
+    buffered: list[StoredGroup] = field(default_factory=list)
+
+
+class QueueStore(Protocol):
+    """What the queue needs from persistence. Each method is one atomic change."""
+
+    def load(self) -> StoredState: ...
+
+    def put_meta(self, values: dict[str, Any]) -> None: ...
+
+    def put_env(self, env_id: int, record: dict[str, Any]) -> None: ...
+
+    def insert(self, groups: list[StoredGroup], buffered: bool) -> None: ...
+
+    def merge(self, removed: list[int], merged: StoredGroup) -> None: ...
+
+    def promote(self, gids: list[int]) -> None: ...
+
+    def take(self, gids: list[int], meta: dict[str, Any]) -> None: ...
+
+    def clear(self, meta: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """No persistence: the in-memory queue is the only copy (upstream's behaviour)."""
+
+    durable = False
+
+    def load(self) -> StoredState:
+        return StoredState()
+
+    def put_meta(self, values: dict[str, Any]) -> None:
+        pass
+
+    def put_env(self, env_id: int, record: dict[str, Any]) -> None:
+        pass
+
+    def insert(self, groups: list[StoredGroup], buffered: bool) -> None:
+        pass
+
+    def merge(self, removed: list[int], merged: StoredGroup) -> None:
+        pass
+
+    def promote(self, gids: list[int]) -> None:
+        pass
+
+    def take(self, gids: list[int], meta: dict[str, Any]) -> None:
+        pass
+
+    def clear(self, meta: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS envs (env_id INTEGER PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+    gid INTEGER PRIMARY KEY,
+    env_id INTEGER,
+    size INTEGER NOT NULL,
+    buffered INTEGER NOT NULL DEFAULT 0,
+    payload BLOB NOT NULL
+);
+"""
+
+
+class SqliteStore:
+    """Durable store in one SQLite file (WAL journal).
+
+    ``synchronous="NORMAL"`` (default) survives a crash or ``kill -9`` of the server; use
+    ``"FULL"`` to also survive power loss, at the price of an fsync per acknowledged POST.
+    """
+
+    durable = True
+
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+        if synchronous.upper() not in ("NORMAL", "FULL"):
+            raise ValueError("synchronous must be NORMAL or FULL")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            str(self.path), check_same_thread=False, isolation_level=None, timeout=30.0
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.executescript(_SCHEMA)
+
+    def _tx(self, statements: list[tuple[str, Any]]) -> None:
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    if isinstance(params, list):
+                        cur.executemany(sql, params)
+                    else:
+                        cur.execute(sql, params)
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+
+    @staticmethod
+    def _meta_rows(values: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+        return (
+            "INSERT INTO meta(key, value) VALUES(?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            [(k, json.dumps(v)) for k, v in values.items()],
+        )
+
+    def load(self) -> StoredState:
+        with self._lock:
+            meta = {k: json.loads(v) for k, v in self._db.execute("SELECT key, value FROM meta")}
+            envs = [
+                json.loads(r)
+                for (r,) in self._db.execute("SELECT record FROM envs ORDER BY env_id")
+            ]
+            state = StoredState(meta=meta, envs=envs)
+            for gid, env_id, size, buffered, payload in self._db.execute(
+                "SELECT gid, env_id, size, buffered, payload FROM groups ORDER BY gid"
+            ):
+                group = StoredGroup(gid, env_id, size, bytes(payload))
+                (state.buffered if buffered else state.queued).append(group)
+            return state
+
+    def put_meta(self, values: dict[str, Any]) -> None:
+        self._tx([self._meta_rows(values)])
+
+    def put_env(self, env_id: int, record: dict[str, Any]) -> None:
+        self._tx(
+            [
+                (
+                    "INSERT INTO envs(env_id, record) VALUES(?, ?) "
+                    "ON CONFLICT(env_id) DO UPDATE SET record=excluded.record",
+                    (env_id, json.dumps(record)),
+                )
+            ]
+        )
+
+    def insert(self, groups: list[StoredGroup], buffered: bool) -> None:
+        self._tx(
+            [
+                (
+                    "INSERT INTO groups(gid, env_id, size, buffered, payload) VALUES(?,?,?,?,?)",
+                    [(g.gid, g.env_id, g.size, int(buffered), g.payload) for g in groups],
+                )
+            ]
+        )
+
+    def merge(self, removed: list[int], merged: StoredGroup) -> None:
+        self._tx(
+            [
+                ("DELETE FROM groups WHERE gid=?", [(gid,) for gid in removed]),
+                (
+                    "INSERT INTO groups(gid, env_id, size, buffered, payload) VALUES(?,?,?,0,?)",
+                    (merged.gid, merged.env_id, merged.size, merged.payload),
+                ),
+            ]
+        )
+
+    def promote(self, gids: list[int]) -> None:
+        self._tx([("UPDATE groups SET buffered=0 WHERE gid=?", [(g,) for g in gids])])
+
+    def take(self, gids: list[int], meta: dict[str, Any]) -> None:
+        self._tx(
+            [
+                ("DELETE FROM groups WHERE gid=?", [(gid,) for gid in gids]),
+                self._meta_rows(meta),
+            ]
+        )
+
+    def clear(self, meta: dict[str, Any]) -> None:
+        self._tx(
+            [
+                ("DELETE FROM groups", ()),
+                ("DELETE FROM envs", ()),
+                ("DELETE FROM meta", ()),
+                self._meta_rows(meta),
+            ]
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,1 @@
+"""Example GRPO trainer for atroposlib."""

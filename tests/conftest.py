@@ -1,0 +1,123 @@
+"""Shared fixtures: real servers started as subprocesses on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ApiProcess:
+    """``python -m atroposlib.cli.run_api`` as a child process on a free loopback port."""
+
+    def __init__(self, *args: str, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> ApiProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for key in list(env):
+            if key.startswith("ATROPOS_"):
+                del env[key]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atroposlib.cli.run_api",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *self.args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"run-api exited early:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/info", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(
+            f"run-api did not answer /info in {timeout}s:\n{self.log_path.read_text()}"
+        )
+
+    def kill9(self) -> None:
+        """Crash the server the hard way (no shutdown handlers run)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
+    """One in-memory ``run-api`` for the session; tests reset it before use."""
+    server = ApiProcess(log_path=tmp_path_factory.mktemp("api") / "run-api.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def api(api_server: ApiProcess) -> Iterator[httpx.Client]:
+    """An httpx client on a freshly reset shared API server."""
+    with httpx.Client(base_url=api_server.url, timeout=30.0) as client:
+        assert client.get("/reset_data").status_code == 200
+        yield client
+
+
+@pytest.fixture()
+def start_api(tmp_path: Path) -> Iterator:
+    """Factory for extra servers with their own flags; all are stopped after the test."""
+    started: list[ApiProcess] = []
+
+    def start(*args: str, port: int | None = None) -> ApiProcess:
+        server = ApiProcess(*args, log_path=tmp_path / f"run-api-{len(started)}.log", port=port)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
