@@ -103,77 +103,142 @@ def pack_batch(
     ``items`` is the queue in arrival order. ``min_allocations`` maps env ids of *connected*
     envs to their guaranteed batch fraction (0..1). Returns indices in queue order, or ``None``
     when no batch can be formed yet.
+
+    With minimums, each such env ``e`` must get ``min(int(batch_size * f_e), queued_e)``
+    sequences (scaled down when the minimums add up to more than a batch). If some exact batch
+    meets every minimum, the returned one does; if none can (e.g. the sizes make it
+    impossible), the plain FIFO exact fill is returned so the trainer never stalls forever.
     """
     if batch_size <= 0 or not items:
         return None
     if sum(item.size for item in items) < batch_size:
         return None
 
-    minimums = {
+    wants = {
         env: int(batch_size * frac)
         for env, frac in (min_allocations or {}).items()
         if frac is not None and int(batch_size * frac) > 0
     }
-    if not minimums:
+    if not wants:
         return exact_fill([item.size for item in items], batch_size)
 
     by_env: dict[int, list[int]] = {}
     for idx, item in enumerate(items):
-        if item.env_id in minimums and item.size <= batch_size:
+        if item.env_id in wants and item.size <= batch_size:
             by_env.setdefault(item.env_id, []).append(idx)
-    if any(env not in by_env for env in minimums):
+    if any(env not in by_env for env in wants):
         return None  # an env with a guaranteed share has nothing queued: wait for it
 
-    total_min = sum(minimums.values())
-    if total_min > batch_size:
+    total_want = sum(wants.values())
+    if total_want > batch_size:
         # Scale down proportionally, keeping room for at least one group of each env.
-        scale = batch_size / total_min
-        minimums = {
+        scale = batch_size / total_want
+        wants = {
             env: max(min(items[i].size for i in by_env[env]), int(want * scale))
-            for env, want in minimums.items()
+            for env, want in wants.items()
         }
+    needs = {env: min(want, sum(items[i].size for i in by_env[env])) for env, want in wants.items()}
 
+    def meets(chosen: list[int]) -> bool:
+        got: dict[int | None, int] = {}
+        for i in chosen:
+            got[items[i].env_id] = got.get(items[i].env_id, 0) + items[i].size
+        return all(got.get(env, 0) >= need for env, need in needs.items())
+
+    greedy = _greedy_with_minimums(items, batch_size, needs, by_env)
+    if greedy is not None and meets(greedy):
+        return greedy
+    solved = _solve_with_minimums(items, batch_size, needs, by_env)
+    if solved is not None:
+        return solved
+    return exact_fill([item.size for item in items], batch_size)
+
+
+def _greedy_with_minimums(
+    items: Sequence[PackItem],
+    batch_size: int,
+    needs: Mapping[int, int],
+    by_env: Mapping[int, list[int]],
+) -> list[int] | None:
+    """Upstream's order: each env's oldest groups until its minimum is met, then the oldest
+    remaining groups (exact fill). Fast and FIFO; may miss a fill that exists."""
     taken: list[int] = []
     used = 0
-    for env, want in minimums.items():
+    for env, need in needs.items():
         got = 0
         for idx in by_env[env]:
-            if got >= want:
+            if got >= need:
                 break
             size = items[idx].size
-            if used + size > batch_size:
-                continue
-            taken.append(idx)
-            got += size
-            used += size
-
-    taken_set = set(taken)
-    rest = [i for i in range(len(items)) if i not in taken_set]
+            if used + size <= batch_size:
+                taken.append(idx)
+                got += size
+                used += size
     if used < batch_size:
+        taken_set = set(taken)
+        rest = [i for i in range(len(items)) if i not in taken_set]
         fill = exact_fill([items[i].size for i in rest], batch_size - used)
         if fill is None:
-            return _fallback_with_minimums(items, batch_size, minimums, by_env)
+            return None
         taken.extend(rest[j] for j in fill)
     return sorted(taken)
 
 
-def _fallback_with_minimums(
+def _sumset(a: int, b: int, mask: int) -> int:
+    """Bitset of {x + y : x in a, y in b}, truncated to ``mask``."""
+    out = 0
+    while a:
+        low = a & -a
+        out |= (b << (low.bit_length() - 1)) & mask
+        a ^= low
+    return out
+
+
+def _solve_with_minimums(
     items: Sequence[PackItem],
     batch_size: int,
-    minimums: Mapping[int, int],
+    needs: Mapping[int, int],
     by_env: Mapping[int, list[int]],
 ) -> list[int] | None:
-    """Second chance when the greedy minimum pass blocked an exact fill.
+    """Exact search: pick how many sequences each env with a minimum contributes (at least its
+    need, from the sums its groups can make) so that, with the other groups, the batch is exact.
+    Each env's share and the rest are then filled FIFO-first."""
+    mask = (1 << (batch_size + 1)) - 1
+    envs = list(needs)
+    own = {i for env in envs for i in by_env[env]}
+    rest = [i for i in range(len(items)) if i not in own]
 
-    Tries the plain FIFO exact fill and keeps it if it still honours every minimum (each env
-    gets ``min(minimum, what it has queued)`` sequences).
-    """
-    chosen = exact_fill([item.size for item in items], batch_size)
-    if chosen is None:
+    feasible = {
+        env: _reach_bits([items[i].size for i in by_env[env]], mask) & ~((1 << needs[env]) - 1)
+        for env in envs
+    }
+    totals = [_reach_bits([items[i].size for i in rest], mask)]
+    for env in envs:
+        totals.append(_sumset(feasible[env], totals[-1], mask))
+    if not (totals[-1] >> batch_size) & 1:
         return None
-    for env, want in minimums.items():
-        have = sum(items[i].size for i in by_env[env])
-        got = sum(items[i].size for i in chosen if items[i].env_id == env)
-        if got < min(want, have):
-            return None
-    return chosen
+
+    shares: dict[int, int] = {}
+    remaining = batch_size
+    for k in range(len(envs) - 1, -1, -1):
+        env = envs[k]
+        options = feasible[env]
+        while options:  # smallest contribution first: minimums met, the rest stays FIFO
+            low = options & -options
+            share = low.bit_length() - 1
+            if share <= remaining and (totals[k] >> (remaining - share)) & 1:
+                break
+            options ^= low
+        shares[env] = share
+        remaining -= share
+
+    chosen: list[int] = []
+    for env in envs:
+        picked = exact_fill([items[i].size for i in by_env[env]], shares[env])
+        assert picked is not None
+        chosen.extend(by_env[env][j] for j in picked)
+    if remaining:
+        picked = exact_fill([items[i].size for i in rest], remaining)
+        assert picked is not None
+        chosen.extend(rest[j] for j in picked)
+    return sorted(chosen)

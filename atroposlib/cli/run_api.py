@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``run-api`` argument parser, one flag per :class:`ApiSettings` field."""
     parser = argparse.ArgumentParser(
         prog="run-api",
+        allow_abbrev=False,
         description="Serve the Atropos trajectory API (environments POST scored groups, "
         "trainers GET batches).",
     )
