@@ -20,6 +20,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,7 +59,11 @@ _OFFLOAD_BYTES = 64 * 1024
 #: Responses smaller than this are never gzipped (upstream's GZipMiddleware minimum_size).
 _GZIP_MINIMUM = 1000
 
+_SCORED_ONE = TypeAdapter(ScoredData)
 _SCORED_LIST = TypeAdapter(list[ScoredData])
+#: Endpoints that take scored groups (their gzip bodies are handled by the endpoint itself).
+INGEST_PATHS = frozenset({"/scored_data", "/scored_data_list"})
+_SELF_ENCODED_PATHS = INGEST_PATHS | {"/batch"}
 
 
 class HTTPProblem(Exception):
@@ -100,7 +106,9 @@ class RequestBodyMiddleware:
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(scope, receive, send)
             return
-        if "gzip" not in encoding:
+        if "gzip" not in encoding or scope.get("path") in INGEST_PATHS:
+            # scored data is decompressed by its endpoint, in the same worker thread that
+            # validates it (one thread hop per request instead of two)
             await self.app(scope, self._capped(receive), send)
             return
 
@@ -119,9 +127,9 @@ class RequestBodyMiddleware:
         body = b"".join(chunks)
         try:
             if len(body) >= _OFFLOAD_BYTES:
-                plain = await run_in_threadpool(self._gunzip, body)
+                plain = await run_in_threadpool(gunzip, body, self.max_bytes)
             else:
-                plain = self._gunzip(body)
+                plain = gunzip(body, self.max_bytes)
         except _TooLarge:
             await self._too_large(scope, receive, send)
             return
@@ -143,21 +151,6 @@ class RequestBodyMiddleware:
             return {"type": "http.request", "body": plain, "more_body": False}
 
         await self.app(scope, replay, send)
-
-    def _gunzip(self, body: bytes) -> bytes:
-        if not body:
-            return b""
-        out = bytearray()
-        data = body
-        while data:
-            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            out += inflater.decompress(data, self.max_bytes + 1 - len(out))
-            if len(out) > self.max_bytes or inflater.unconsumed_tail:
-                raise _TooLarge
-            if not inflater.eof:
-                raise EOFError("truncated gzip stream")
-            data = inflater.unused_data  # concatenated gzip members
-        return bytes(out)
 
     def _capped(self, receive: Receive) -> Receive:
         seen = 0
@@ -194,12 +187,33 @@ class _TooLarge(Exception):
     pass
 
 
+def gunzip(body: bytes, max_bytes: int) -> bytes:
+    """Decompress a gzip body (one or more members), refusing to grow past ``max_bytes``.
+
+    Raises :class:`_TooLarge` past the cap, ``EOFError``/``zlib.error`` for invalid data.
+    """
+    if not body:
+        return b""
+    out = bytearray()
+    data = body
+    while data:
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out += inflater.decompress(data, max_bytes + 1 - len(out))
+        if len(out) > max_bytes or inflater.unconsumed_tail:
+            raise _TooLarge
+        if not inflater.eof:
+            raise EOFError("truncated gzip stream")
+        data = inflater.unused_data  # concatenated gzip members
+    return bytes(out)
+
+
 class SkipPrecompressedGZip(GZipMiddleware):
     """Starlette's response gzip, leaving alone responses that already set Content-Encoding."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") == "/batch":
-            await self.app(scope, receive, send)  # /batch compresses itself off the loop
+        if scope["type"] == "http" and scope.get("path") in _SELF_ENCODED_PATHS:
+            # /batch compresses itself off the event loop; ingest replies are a few bytes
+            await self.app(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
 
@@ -232,27 +246,43 @@ def _validation_problem(exc: ValidationError, prefix: tuple[Any, ...] = ()) -> H
     return problem
 
 
-def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
-    """Parse, validate and serialise the body of ``/scored_data`` (or ``_list``)."""
-    data = _json_bytes(raw)
-    if many:
-        if not isinstance(data, list):
-            raise HTTPProblem(422, "body must be a JSON array of scored groups", kind="list_type")
-        if not data:
-            raise HTTPProblem(422, "body is an empty list: send at least one group")
+class InvalidGzip(Exception):
+    """A body sent with ``Content-Encoding: gzip`` that is not gzip."""
+
+
+def prepare_groups(
+    raw: bytes, many: bool, gzipped: bool = False, max_bytes: int = 1 << 62
+) -> list[PreparedGroup]:
+    """Decompress, parse, validate and serialise the body of ``/scored_data`` (or ``_list``).
+
+    Parsing and type validation happen in one pass in pydantic-core; each group is then
+    serialised once (orjson) into the payload that ``/batch`` will concatenate.
+    """
+    if gzipped:
         try:
-            groups = _SCORED_LIST.validate_python(data)
-        except ValidationError as exc:
-            raise _validation_problem(exc) from None
-    else:
-        if not isinstance(data, dict):
+            raw = gunzip(raw, max_bytes)
+        except (OSError, EOFError, zlib.error):
+            raise InvalidGzip from None
+    try:
+        parsed = (_SCORED_LIST if many else _SCORED_ONE).validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        if first["type"] == "json_invalid":
+            raise HTTPProblem(
+                400, f"request body is not valid JSON: {first['msg']}", kind="json_invalid"
+            ) from None
+        if not first["loc"] and many:
+            raise HTTPProblem(
+                422, "body must be a JSON array of scored groups", kind="list_type"
+            ) from None
+        if not first["loc"]:
             raise HTTPProblem(
                 422, "body must be a JSON object (one scored group)", kind="dict_type"
-            )
-        try:
-            groups = [ScoredData.model_validate(data)]
-        except ValidationError as exc:
-            raise _validation_problem(exc) from None
+            ) from None
+        raise _validation_problem(exc) from None
+    groups: list[ScoredData] = parsed if many else [parsed]
+    if not groups:
+        raise HTTPProblem(422, "body is an empty list: send at least one group")
 
     prepared = []
     for i, group in enumerate(groups):
@@ -266,10 +296,16 @@ def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
                 env_id=group.env_id,
                 size=len(group.tokens),
                 longest=max(len(t) for t in group.tokens),
-                payload=group.model_dump_json().encode(),
+                # fields in declaration order, which is upstream's key order
+                payload=orjson.dumps(group.__dict__),
             )
         )
     return prepared
+
+
+def _json(data: Any) -> Response:
+    """A JSON response serialised with orjson (skips FastAPI's response encoding)."""
+    return Response(orjson.dumps(data), media_type="application/json")
 
 
 def _problem_response(problem: HTTPProblem) -> JSONResponse:
@@ -480,13 +516,24 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         except UnknownEnv as exc:
             raise HTTPProblem(404, str(exc), loc, "unknown_env") from None
 
+    # Validation holds the GIL: more than one worker thread doing it at a time only starves the
+    # event loop (and with it /batch), so ingest work runs in a small dedicated pool.
+    ingest_limiter = anyio.CapacityLimiter(settings.ingest_threads)
+
     async def _ingest(request: Request, many: bool) -> Any:
         raw = await request.body()
+        gzipped = "gzip" in request.headers.get("content-encoding", "").lower()
+        args = (raw, many, gzipped, settings.max_request_bytes)
         try:
-            if len(raw) >= _OFFLOAD_BYTES:
-                groups = await run_in_threadpool(prepare_groups, raw, many)
+            if len(raw) >= _OFFLOAD_BYTES or gzipped:
+                groups = await anyio.to_thread.run_sync(
+                    prepare_groups, *args, limiter=ingest_limiter
+                )
             else:
-                groups = prepare_groups(raw, many)
+                groups = prepare_groups(*args)
+        except InvalidGzip:
+            queue.count_refused("bad_gzip")
+            return PlainTextResponse("Invalid gzip payload", status_code=400)
         except HTTPProblem as exc:
             queue.count_refused("invalid" if exc.status == 422 else "bad_json")
             raise
@@ -506,13 +553,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         except Refused as exc:
             raise HTTPProblem(exc.status, exc.message, ("body", *exc.loc), exc.reason) from None
         if not many:
-            return results[0]
+            return _json(results[0])
         reply: dict[str, Any] = {"status": "received", "groups_processed": len(results)}
         buffered = [r for r in results if r["status"] == "buffered"]
         if buffered:
             reply["buffered"] = len(buffered)
             reply["last_buffer_size"] = buffered[-1]["buffer_size"]
-        return reply
+        return _json(reply)
 
     scored_schema = {
         "requestBody": {
@@ -548,7 +595,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             await run_in_threadpool(queue.take_batch) if queue.store.durable else queue.take_batch()
         )
         if isinstance(result, dict):
-            return Response(orjson.dumps(result), media_type="application/json")
+            return _json(result)
         if len(result) >= _GZIP_MINIMUM and _accepts_gzip(request):
             level = settings.gzip_level
             body = await run_in_threadpool(gzip.compress, result, level)

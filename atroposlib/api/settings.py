@@ -73,6 +73,13 @@ class ApiSettings(BaseModel):
         le=9,
         description="gzip level for /batch responses to clients that accept gzip (1 is fastest).",
     )
+    ingest_threads: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Worker threads that decompress, validate and serialise posted groups. "
+        "Validation holds Python's GIL, so more threads rarely help and can slow /batch.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level."
     )
