@@ -529,8 +529,10 @@ class TrajectoryQueue:
             if e["connected"] and e.get("min_batch_allocation") is not None
         }
 
-    def take_batch(self) -> bytes | dict[str, Any]:
-        """Hand out the next batch as serialised ``{"batch": [...]}`` bytes.
+    def take_batch(self) -> list[bytes] | dict[str, Any]:
+        """Hand out the next batch: the pieces of its serialised ``{"batch": [...]}`` body, in
+        order (``b"".join(pieces)`` is the JSON; joining is left to the caller so that it can
+        happen off the event loop).
 
         Returns upstream's error dict when no trainer registered, and ``{"batch": None}`` when
         the queue cannot fill a batch yet. The step advances by one per batch handed out.
@@ -564,7 +566,13 @@ class TrajectoryQueue:
                 len(chosen),
                 len(self._queue),
             )
-            return b'{"batch":[' + b",".join(g.payload for g in chosen) + b"]}"
+            pieces = [b'{"batch":[']
+            for i, g in enumerate(chosen):
+                if i:
+                    pieces.append(b",")
+                pieces.append(g.payload)
+            pieces.append(b"]}")
+            return pieces
 
     def _choose(self) -> list[StoredGroup]:
         batch_size = self.batch_size

@@ -13,10 +13,8 @@ answer in a worker thread when the client accepts gzip.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +49,17 @@ from atroposlib.api.queue import (
 )
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
+
+try:  # Intel ISA-L: 2x faster gunzip and 4x faster gzip than zlib, same format
+    from isal import igzip as _gzip
+    from isal import isal_zlib as _zlib
+
+    _MAX_GZIP_LEVEL = 3
+except ImportError:  # pragma: no cover - platforms without isal wheels
+    import gzip as _gzip  # type: ignore[no-redef]
+    import zlib as _zlib  # type: ignore[no-redef]
+
+    _MAX_GZIP_LEVEL = 9
 
 logger = logging.getLogger("atroposlib.api")
 
@@ -133,7 +142,7 @@ class RequestBodyMiddleware:
         except _TooLarge:
             await self._too_large(scope, receive, send)
             return
-        except (OSError, EOFError, zlib.error):
+        except (OSError, EOFError, _zlib.error):
             self.on_refused("bad_gzip")
             await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
             return
@@ -167,20 +176,7 @@ class RequestBodyMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.on_refused("body_too_large")
-        response = JSONResponse(
-            {
-                "detail": [
-                    {
-                        "loc": ["body"],
-                        "msg": f"request body exceeds the limit of {self.max_bytes} bytes "
-                        "(run-api --max-request-bytes)",
-                        "type": "too_large",
-                    }
-                ]
-            },
-            status_code=413,
-        )
-        await response(scope, receive, send)
+        await _too_large_response(self.max_bytes)(scope, receive, send)
 
 
 class _TooLarge(Exception):
@@ -197,7 +193,7 @@ def gunzip(body: bytes, max_bytes: int) -> bytes:
     out = bytearray()
     data = body
     while data:
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        inflater = _zlib.decompressobj(16 + 15)
         out += inflater.decompress(data, max_bytes + 1 - len(out))
         if len(out) > max_bytes or inflater.unconsumed_tail:
             raise _TooLarge
@@ -205,6 +201,61 @@ def gunzip(body: bytes, max_bytes: int) -> bytes:
             raise EOFError("truncated gzip stream")
         data = inflater.unused_data  # concatenated gzip members
     return bytes(out)
+
+
+class IngestFastLane:
+    """Outermost ASGI layer: ``POST /scored_data(_list)`` from envs skip the framework stack.
+
+    Producers call these endpoints hundreds of times a second; routing them straight to the
+    ingest function saves about a third of the server's per-request CPU. Requests with an
+    ``Origin`` header (browsers, which need CORS headers) take the normal path.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[str], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in INGEST_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        encoding = ""
+        declared = None
+        for name, value in scope["headers"]:
+            if name == b"origin":
+                await self.app(scope, receive, send)
+                return
+            if name == b"content-encoding":
+                encoding = value.decode("latin-1")
+            elif name == b"content-length":
+                declared = value
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            self.on_refused("body_too_large")
+            await _too_large_response(self.max_bytes)(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                self.on_refused("body_too_large")
+                await _too_large_response(self.max_bytes)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        ingest = scope["app"].state.ingest  # set by create_app; Starlette fills scope["app"]
+        response = await ingest(b"".join(chunks), encoding, scope["path"] == "/scored_data_list")
+        await response(scope, receive, send)
 
 
 class SkipPrecompressedGZip(GZipMiddleware):
@@ -216,6 +267,11 @@ class SkipPrecompressedGZip(GZipMiddleware):
             await self.app(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+def _join_and_gzip(pieces: list[bytes], level: int) -> bytes:
+    """One batch body, gzip-compressed (runs in a worker thread; ISA-L/zlib release the GIL)."""
+    return _gzip.compress(b"".join(pieces), level)
 
 
 def _accepts_gzip(request: Request) -> bool:
@@ -261,7 +317,7 @@ def prepare_groups(
     if gzipped:
         try:
             raw = gunzip(raw, max_bytes)
-        except (OSError, EOFError, zlib.error):
+        except (OSError, EOFError, _zlib.error):
             raise InvalidGzip from None
     try:
         parsed = (_SCORED_LIST if many else _SCORED_ONE).validate_json(raw)
@@ -301,6 +357,22 @@ def prepare_groups(
             )
         )
     return prepared
+
+
+def _too_large_response(limit: int) -> JSONResponse:
+    return JSONResponse(
+        {
+            "detail": [
+                {
+                    "loc": ["body"],
+                    "msg": f"request body exceeds the limit of {limit} bytes "
+                    "(run-api --max-request-bytes)",
+                    "type": "too_large",
+                }
+            ]
+        },
+        status_code=413,
+    )
 
 
 def _json(data: Any) -> Response:
@@ -418,6 +490,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         max_bytes=settings.max_request_bytes,
         on_refused=queue.count_refused,
     )
+    app.add_middleware(
+        IngestFastLane, max_bytes=settings.max_request_bytes, on_refused=queue.count_refused
+    )
 
     @app.exception_handler(HTTPProblem)
     async def _problem(_: Request, exc: HTTPProblem) -> JSONResponse:
@@ -426,10 +501,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @app.exception_handler(_TooLarge)
     async def _too_large(_: Request, exc: _TooLarge) -> JSONResponse:
         queue.count_refused("body_too_large")
-        return JSONResponse(
-            {"detail": [{"loc": ["body"], "msg": "request body too large", "type": "too_large"}]},
-            413,
-        )
+        return _too_large_response(settings.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -520,38 +592,49 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # event loop (and with it /batch), so ingest work runs in a small dedicated pool.
     ingest_limiter = anyio.CapacityLimiter(settings.ingest_threads)
 
-    async def _ingest(request: Request, many: bool) -> Any:
-        raw = await request.body()
-        gzipped = "gzip" in request.headers.get("content-encoding", "").lower()
+    async def ingest(raw: bytes, encoding: str, many: bool) -> Response:
+        """Queue the scored group(s) in ``raw``; every outcome is a response, never a raise."""
+        gzipped = "gzip" in encoding.lower()
         args = (raw, many, gzipped, settings.max_request_bytes)
         try:
             if len(raw) >= _OFFLOAD_BYTES or gzipped:
                 groups = await anyio.to_thread.run_sync(
                     prepare_groups, *args, limiter=ingest_limiter
                 )
+                for group in groups:
+                    # Re-home the payload on this thread: bytes allocated by the worker live in
+                    # its malloc arena between its short-lived parse buffers, which then cannot
+                    # be reused (measured: 0.50 MiB RSS per 8x2048 group instead of 0.18).
+                    group.payload = memoryview(group.payload).tobytes()
             else:
                 groups = prepare_groups(*args)
-        except InvalidGzip:
-            queue.count_refused("bad_gzip")
-            return PlainTextResponse("Invalid gzip payload", status_code=400)
-        except HTTPProblem as exc:
-            queue.count_refused("invalid" if exc.status == 422 else "bad_json")
-            raise
-        try:
             if queue.store.durable:
                 results = await run_in_threadpool(queue.add_groups, groups)
             else:
                 results = queue.add_groups(groups)
+        except InvalidGzip:
+            queue.count_refused("bad_gzip")
+            return PlainTextResponse("Invalid gzip payload", status_code=400)
+        except _TooLarge:
+            queue.count_refused("body_too_large")
+            return _too_large_response(settings.max_request_bytes)
+        except HTTPProblem as exc:
+            queue.count_refused("invalid" if exc.status == 422 else "bad_json")
+            return _problem_response(exc)
         except QueueFull as exc:
-            raise HTTPProblem(
-                429,
-                exc.message,
-                ("body",),
-                "queue_full",
-                headers={"Retry-After": str(exc.retry_after)},
-            ) from None
+            return _problem_response(
+                HTTPProblem(
+                    429,
+                    exc.message,
+                    ("body",),
+                    "queue_full",
+                    headers={"Retry-After": str(exc.retry_after)},
+                )
+            )
         except Refused as exc:
-            raise HTTPProblem(exc.status, exc.message, ("body", *exc.loc), exc.reason) from None
+            return _problem_response(
+                HTTPProblem(exc.status, exc.message, ("body", *exc.loc), exc.reason)
+            )
         if not many:
             return _json(results[0])
         reply: dict[str, Any] = {"status": "received", "groups_processed": len(results)}
@@ -560,6 +643,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             reply["buffered"] = len(buffered)
             reply["last_buffer_size"] = buffered[-1]["buffer_size"]
         return _json(reply)
+
+    app.state.ingest = ingest
 
     scored_schema = {
         "requestBody": {
@@ -579,14 +664,18 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     }
 
     @app.post("/scored_data", openapi_extra=scored_schema)
-    async def scored_data(request: Request) -> Any:
+    async def scored_data(request: Request) -> Response:
         """Queue one scored group (``ScoredData``)."""
-        return await _ingest(request, many=False)
+        return await ingest(
+            await request.body(), request.headers.get("content-encoding", ""), many=False
+        )
 
     @app.post("/scored_data_list", openapi_extra=scored_list_schema)
-    async def scored_data_list(request: Request) -> Any:
+    async def scored_data_list(request: Request) -> Response:
         """Queue several scored groups at once (all or none)."""
-        return await _ingest(request, many=True)
+        return await ingest(
+            await request.body(), request.headers.get("content-encoding", ""), many=True
+        )
 
     @app.get("/batch")
     async def batch(request: Request) -> Response:
@@ -596,15 +685,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         )
         if isinstance(result, dict):
             return _json(result)
-        if len(result) >= _GZIP_MINIMUM and _accepts_gzip(request):
-            level = settings.gzip_level
-            body = await run_in_threadpool(gzip.compress, result, level)
+        if _accepts_gzip(request) and sum(map(len, result)) >= _GZIP_MINIMUM:
+            level = min(settings.gzip_level, _MAX_GZIP_LEVEL)
+            body = await run_in_threadpool(_join_and_gzip, result, level)
             return Response(
                 body,
                 media_type="application/json",
                 headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"},
             )
-        return Response(result, media_type="application/json")
+        return Response(b"".join(result), media_type="application/json")
 
     @app.get("/latest_example")
     async def latest_example() -> Response:

@@ -71,7 +71,8 @@ class ApiSettings(BaseModel):
         1,
         ge=1,
         le=9,
-        description="gzip level for /batch responses to clients that accept gzip (1 is fastest).",
+        description="gzip level for /batch responses to clients that accept gzip (1 is fastest; "
+        "levels above 3 are capped at 3 when the isal compressor is installed, as by default).",
     )
     ingest_threads: int = Field(
         1,

@@ -18,9 +18,9 @@ def prepared(size: int = 2, tag: int = 0, env_id: int | None = None, length: int
     return PreparedGroup(env_id, size, length, data.model_dump_json().encode())
 
 
-def batch_tags(result: bytes | dict) -> list[int]:
-    assert isinstance(result, bytes), result
-    return [g["tokens"][0][0] for g in orjson.loads(result)["batch"]]
+def batch_tags(result: list[bytes] | dict) -> list[int]:
+    assert isinstance(result, list), result
+    return [g["tokens"][0][0] for g in orjson.loads(b"".join(result))["batch"]]
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -99,7 +99,7 @@ def test_state_survives_reopen(make_queue) -> None:
         {"status": "buffered", "buffer_size": 0}
     ]
     assert batch_tags(again.take_batch()) == [2]
-    merged = orjson.loads(again.take_batch())["batch"][0]
+    merged = orjson.loads(b"".join(again.take_batch()))["batch"][0]
     assert [t[0] for t in merged["tokens"]] == [3, 3, 4, 4]
 
 
