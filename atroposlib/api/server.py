@@ -595,9 +595,16 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def ingest(raw: bytes, encoding: str, many: bool) -> Response:
         """Queue the scored group(s) in ``raw``; every outcome is a response, never a raise."""
         gzipped = "gzip" in encoding.lower()
-        args = (raw, many, gzipped, settings.max_request_bytes)
         try:
-            if len(raw) >= _OFFLOAD_BYTES or gzipped:
+            if gzipped:
+                # decompression releases the GIL: done in the shared pool, it overlaps with the
+                # validation of the previous request instead of queueing behind it
+                try:
+                    raw = await run_in_threadpool(gunzip, raw, settings.max_request_bytes)
+                except (OSError, EOFError, _zlib.error):
+                    raise InvalidGzip from None
+            args = (raw, many, False, settings.max_request_bytes)
+            if len(raw) >= _OFFLOAD_BYTES:
                 groups = await anyio.to_thread.run_sync(
                     prepare_groups, *args, limiter=ingest_limiter
                 )
