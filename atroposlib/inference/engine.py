@@ -1,0 +1,667 @@
+"""Continuous-batching generation engine for a Hugging Face causal LM on the CPU (or one GPU).
+
+One scheduler thread owns the model. Every request (with all of its ``n`` samples) waits in a
+bounded FIFO queue; each loop iteration the scheduler
+
+1. admits waiting requests while the batch has room: their prompts are prefilled together
+   (left-padded, one forward pass), the prompt's KV cache is copied once per sample, and the new
+   rows are merged into the running batch's KV cache;
+2. runs one decode step for every sequence in flight (one token each, batched, KV-cached);
+3. retires finished sequences (EOS, stop ids or strings, ``max_tokens``), dropping their rows
+   and any padding columns no row needs any more.
+
+So a group of 8 samples costs one prefill plus ``max_tokens`` batched steps instead of eight
+sequential generations, and requests arriving mid-flight join at the next step instead of
+waiting for the batch to drain.
+
+The KV cache is a transformers ``DynamicCache`` laid out left-padded: row ``i``'s real tokens
+are the right-most columns with ``attention_mask[i] == 1``; positions are passed explicitly.
+This layout holds for models whose layers all use full attention (Llama, Qwen2, Mistral without
+sliding windows, ...), which is what the embedded server is for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """Base class of errors the engine reports to a request."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is stopped or failed (HTTP 503)."""
+
+
+@dataclass
+class SampleOutput:
+    """One finished (or streaming) sample of a request."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Raw model log-prob of each generated token."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per generated token, the top ``params.logprobs`` (id, raw log-prob) pairs (if asked)."""
+    text: str = ""
+    finish_reason: str | None = None
+    """``stop`` (EOS, stop id or stop string), ``length`` (max_tokens) or ``abort``."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the sample, None for EOS or length."""
+
+
+@dataclass
+class StreamEvent:
+    """Progress of one sample: the tokens and text produced since the last event."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ReloadInfo:
+    """What ``/reload_weights`` reports once new weights serve requests."""
+
+    weights_version: int
+    requested_at: float
+    live_at: float
+    drain_seconds: float
+    """How long in-flight sequences took to finish on the old weights."""
+
+
+class RequestHandle:
+    """A submitted request: iterate its events or await its final outputs.
+
+    Created by :meth:`GenerationEngine.submit` on the event loop that will consume it. Leaving
+    :meth:`events` early (client disconnect, cancellation) aborts the request's sequences.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.id = uuid.uuid4().hex
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stream = stream
+        self.outputs = [SampleOutput(index=i) for i in range(params.n)]
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.weights_version: int | None = None
+        self.submitted_at = time.monotonic()
+        self.aborted = False
+        self._loop = loop
+        self._queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
+
+    def abort(self) -> None:
+        """Stop generating for this request; its rows leave the batch at the next step."""
+        self.aborted = True
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Yield stream events until every sample has finished (or raise the engine's error)."""
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    async def result(self) -> list[SampleOutput]:
+        """Wait for every sample to finish and return them in index order."""
+        async for _ in self.events():
+            pass
+        return self.outputs
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sample has a finish reason."""
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    # Called from the scheduler thread.
+    def _put(self, item: StreamEvent | BaseException | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            # The consumer's event loop is closed: nobody is listening any more.
+            self.aborted = True
+
+
+class _Sequence:
+    """One sample in flight: the scheduler's bookkeeping around a :class:`SampleOutput`."""
+
+    def __init__(self, handle: RequestHandle, index: int, stop_ids: set[int]) -> None:
+        self.handle = handle
+        self.params = handle.params
+        self.out = handle.outputs[index]
+        self.stop_ids = stop_ids
+        banned = sorted(stop_ids | set(self.params.stop_token_ids))
+        self.row = RowState(
+            params=self.params,
+            generator=self.params.make_generator(index),
+            output_ids=self.out.token_ids,
+            prompt_ids=handle.prompt_ids,
+            banned_until_min=banned if self.params.min_tokens else [],
+        )
+        self.emitted_tokens = 0
+        self.emitted_chars = 0
+        self.checked_chars = 0
+        self.max_stop_len = max((len(s) for s in self.params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish_reason is not None
+
+
+class GenerationEngine:
+    """Serve generation requests for one model with continuous batching on a scheduler thread.
+
+    ``max_batch`` bounds the sequences decoded together (all samples of all requests);
+    ``max_waiting`` bounds the requests queued behind them (more raise :class:`QueueFullError`);
+    ``prefill_token_budget`` bounds how many prompt tokens one iteration prefills, so long
+    prompts do not stall the decoding of everyone else for long.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch: int = 64,
+        max_waiting: int = 1024,
+        max_model_len: int | None = None,
+        prefill_token_budget: int = 2048,
+        max_logprobs: int = 20,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.max_logprobs = max_logprobs
+        self.prefill_token_budget = prefill_token_budget
+        model_max = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or model_max, model_max)
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.weights_version = 0
+        self.device = next(model.parameters()).device
+
+        self._cond = threading.Condition()
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[_Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._pending_reload: tuple[PreTrainedModel, concurrent.futures.Future, float] | None = None
+        self._drain_started: float | None = None
+        self._stopped = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="atropos-engine", daemon=True)
+        self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "requests": 0, "steps": 0}
+
+    @staticmethod
+    def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(model, "generation_config", None), model.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> GenerationEngine:
+        """Start the scheduler thread."""
+        self._thread.start()
+        return self
+
+    def warmup(self) -> float:
+        """Run a few throw-away steps so the first request does not pay for kernel setup.
+
+        oneDNN builds its bf16 kernels on first use, which otherwise makes the first requests
+        several times slower. Call before :meth:`start`; returns the seconds spent.
+        """
+        started = time.monotonic()
+        with torch.inference_mode():
+            for batch in (1, 4):
+                ids = torch.full((batch, 16), self.tokenizer.eos_token_id or 0, dtype=torch.long)
+                out = self.model(
+                    input_ids=ids.to(self.device),
+                    past_key_values=DynamicCache(),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                cache = out.past_key_values
+                for _ in range(3):
+                    out = self.model(
+                        input_ids=ids[:, :1].to(self.device),
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    cache = out.past_key_values
+        return time.monotonic() - started
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler; pending and running requests fail with 503."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        """True while the scheduler thread runs and accepts work."""
+        return self._thread.is_alive() and not self._stopped and self._failure is None
+
+    def load(self) -> dict[str, int]:
+        """Sequences running and requests waiting right now."""
+        with self._cond:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool = False
+    ) -> RequestHandle:
+        """Queue a request; call from the event loop that will consume the handle.
+
+        Raises ``ValueError`` for invalid parameters or a prompt that does not fit the context,
+        :class:`QueueFullError` when the queue is full and :class:`EngineUnavailableError` when
+        the engine is not running.
+        """
+        params.validate(max_n=self.max_batch, max_logprobs=self.max_logprobs)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        handle = RequestHandle(self, prompt_ids, params, stream, asyncio.get_running_loop())
+        with self._cond:
+            if not self.healthy:
+                raise EngineUnavailableError(
+                    f"the generation engine is not running ({self._failure or 'stopped'})"
+                )
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFullError(
+                    f"server overloaded: {len(self._waiting)} requests are already waiting"
+                )
+            self._waiting.append(handle)
+            self._cond.notify()
+        return handle
+
+    def request_reload(self, model: PreTrainedModel) -> concurrent.futures.Future[ReloadInfo]:
+        """Swap in ``model`` once the sequences in flight have finished on the old weights.
+
+        New requests wait (they are not rejected) while the old batch drains; the returned
+        future resolves when the new weights serve requests.
+        """
+        if model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(
+                f"the new checkpoint has vocab size {model.config.vocab_size}, the served model "
+                f"{self.model.config.vocab_size}: the tokenizer would not match"
+            )
+        future: concurrent.futures.Future[ReloadInfo] = concurrent.futures.Future()
+        with self._cond:
+            if self._pending_reload is not None:
+                raise RuntimeError("a weight reload is already in progress")
+            model.to(self.device)
+            model.eval()
+            self._pending_reload = (model, future, time.time())
+            self._drain_started = time.monotonic()
+            self._cond.notify()
+        return future
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (
+                        self._stopped or self._waiting or self._running or self._pending_reload
+                    ):
+                        self._cond.wait()
+                    if self._stopped:
+                        break
+                    self._swap_weights_if_drained()
+                    admitted = self._admit()
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._running:
+                        self._decode_step()
+                except Exception as exc:  # noqa: BLE001 - reported to every affected request
+                    logger.exception("generation step failed")
+                    self._fail_batch(exc, admitted)
+        self._fail_everything(EngineUnavailableError("the generation engine stopped"))
+
+    def _swap_weights_if_drained(self) -> None:
+        if self._pending_reload is None or self._running:
+            return
+        model, future, requested_at = self._pending_reload
+        drained = time.monotonic() - (self._drain_started or time.monotonic())
+        self.model = model
+        self.weights_version += 1
+        self._pending_reload = None
+        info = ReloadInfo(
+            weights_version=self.weights_version,
+            requested_at=requested_at,
+            live_at=time.time(),
+            drain_seconds=drained,
+        )
+        future.set_result(info)
+
+    def _admit(self) -> list[RequestHandle]:
+        """Pop the waiting requests that fit into the batch now (FIFO, under the lock)."""
+        while self._waiting and self._waiting[0].aborted:
+            self._finish_aborted(self._waiting.popleft())
+        if self._pending_reload is not None:
+            return []
+        admitted: list[RequestHandle] = []
+        free = self.max_batch - len(self._running)
+        budget = self.prefill_token_budget
+        while self._waiting:
+            head = self._waiting[0]
+            if head.aborted:
+                self._finish_aborted(self._waiting.popleft())
+                continue
+            if head.params.n > free:
+                break
+            if admitted and len(head.prompt_ids) > budget:
+                break
+            admitted.append(self._waiting.popleft())
+            free -= head.params.n
+            budget -= len(head.prompt_ids)
+        return admitted
+
+    def _finish_aborted(self, handle: RequestHandle) -> None:
+        for out in handle.outputs:
+            out.finish_reason = out.finish_reason or "abort"
+        handle._put(None)
+
+    def _prefill(self, handles: list[RequestHandle]) -> None:
+        """Run the prompts of ``handles`` and merge their samples into the running batch."""
+        # Prompt log-probs need logits at every position: such prompts get a pass of their own
+        # so ordinary prompts keep computing only the last position's logits.
+        plain = [h for h in handles if h.params.prompt_logprobs is None]
+        groups = [plain] if plain else []
+        groups += [[h] for h in handles if h.params.prompt_logprobs is not None]
+        for group in groups:
+            self._prefill_group(group)
+
+    def _prefill_group(self, handles: list[RequestHandle]) -> None:
+        width = max(len(h.prompt_ids) for h in handles)
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = next(iter(self.eos_ids), 0)
+        input_ids = torch.full((len(handles), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(handles), width), dtype=torch.long)
+        for row, handle in enumerate(handles):
+            length = len(handle.prompt_ids)
+            input_ids[row, width - length :] = torch.tensor(handle.prompt_ids)
+            mask[row, width - length :] = 1
+            handle.weights_version = self.weights_version
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        want_prompt = handles[0].params.prompt_logprobs is not None
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=0 if want_prompt else 1,
+        )
+        logits = out.logits[:, -1, :].float().cpu()
+        if want_prompt:
+            self._record_prompt_logprobs(handles[0], out.logits[0].float().cpu())
+        self.stats["prompt_tokens"] += sum(len(h.prompt_ids) for h in handles)
+        self.stats["requests"] += len(handles)
+
+        rows = [r for r, h in enumerate(handles) for _ in range(h.params.n)]
+        index = torch.tensor(rows, dtype=torch.long)
+        cache: DynamicCache = out.past_key_values
+        cache.batch_select_indices(index.to(self.device))
+        mask = mask[index]
+        sequences = [
+            _Sequence(h, i, set() if h.params.ignore_eos else self.eos_ids)
+            for h in handles
+            for i in range(h.params.n)
+        ]
+        tokens, raw_logprobs = sample_next(logits[index], [s.row for s in sequences])
+        self._merge(cache, mask.to(self.device), sequences)
+        self._record_tokens(sequences, tokens, raw_logprobs)
+        self._retire_finished()
+
+    def _record_prompt_logprobs(self, handle: RequestHandle, logits: torch.Tensor) -> None:
+        """vLLM's ``prompt_logprobs``: None for the first token, then {id: logprob} per token
+        with the actual prompt token first and the top-k after it."""
+        k = handle.params.prompt_logprobs or 0
+        prompt = handle.prompt_ids
+        logprobs = torch.log_softmax(logits[-len(prompt) : -1], dim=-1)
+        targets = torch.tensor(prompt[1:], dtype=torch.long)
+        actual = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        result: list[dict[int, float] | None] = [None]
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        for pos, token in enumerate(prompt[1:]):
+            entry = {token: actual[pos]}
+            if top_ids is not None:
+                for tid, val in zip(top_ids[pos].tolist(), top_vals[pos].tolist(), strict=True):
+                    entry.setdefault(tid, val)
+            result.append(entry)
+        handle.prompt_logprobs = result
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[_Sequence]) -> None:
+        """Append new rows to the running batch, left-padding whichever side is shorter."""
+        if self._cache is None or not self._running:
+            self._cache, self._mask, self._running = cache, mask, sequences
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def widen(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            missing = width - t.shape[-dim_from_end]
+            if missing == 0:
+                return t
+            pad = [0, 0] * (dim_from_end - 1) + [missing, 0]
+            return F.pad(t, pad)
+
+        layers = []
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
+            values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
+            layers.append((keys, values))
+        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
+        self._running = self._running + sequences
+
+    def _decode_step(self) -> None:
+        """Feed every running sequence its last token and sample the next one."""
+        assert self._cache is not None and self._mask is not None
+        batch = len(self._running)
+        input_ids = torch.tensor([[s.out.token_ids[-1]] for s in self._running], dtype=torch.long)
+        mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
+        positions = mask.sum(dim=1, keepdim=True) - 1
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._mask = mask
+        self._cache = out.past_key_values
+        logits = out.logits[:, -1, :].float().cpu()
+        tokens, raw_logprobs = sample_next(logits, [s.row for s in self._running])
+        self.stats["steps"] += 1
+        self._record_tokens(self._running, tokens, raw_logprobs)
+        self._retire_finished()
+
+    def _record_tokens(
+        self, sequences: list[_Sequence], tokens: torch.Tensor, raw_logprobs: torch.Tensor
+    ) -> None:
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        token_list = tokens.tolist()
+        k_max = max((s.params.logprobs or 0) for s in sequences)
+        top_ids = top_vals = None
+        if k_max:
+            top_vals_t, top_ids_t = raw_logprobs.topk(k_max, dim=-1)
+            top_ids, top_vals = top_ids_t.tolist(), top_vals_t.tolist()
+        self.stats["generated_tokens"] += len(sequences)
+        for i, seq in enumerate(sequences):
+            if seq.handle.aborted:
+                seq.out.finish_reason = "abort"
+                continue
+            seq.out.token_ids.append(token_list[i])
+            seq.out.logprobs.append(chosen[i])
+            k = seq.params.logprobs or 0
+            if k and top_ids is not None and top_vals is not None:
+                seq.out.top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
+            self._check_stop(seq)
+            if seq.handle.stream or seq.finished:
+                self._emit(seq)
+
+    def _check_stop(self, seq: _Sequence) -> None:
+        params, out = seq.params, seq.out
+        token = out.token_ids[-1]
+        min_ok = len(out.token_ids) >= params.min_tokens
+        ends_on_token = False
+        if min_ok and token in seq.stop_ids:
+            out.finish_reason, out.stop_reason, ends_on_token = "stop", None, True
+        elif min_ok and token in params.stop_token_ids:
+            out.finish_reason, out.stop_reason, ends_on_token = "stop", token, True
+        # The stop token itself is not part of the text unless asked for, as in vLLM.
+        text_ids = out.token_ids
+        if ends_on_token and not params.include_stop_str_in_output:
+            text_ids = out.token_ids[:-1]
+        out.text = self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
+        if params.stop and not out.finish_reason and min_ok:
+            start = max(0, seq.checked_chars - seq.max_stop_len + 1)
+            hits = [(out.text.find(s, start), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                end = pos + len(stop) if params.include_stop_str_in_output else pos
+                out.text = out.text[:end]
+                out.finish_reason, out.stop_reason = "stop", stop
+            seq.checked_chars = len(out.text)
+        if not out.finish_reason and len(out.token_ids) >= params.max_tokens:
+            out.finish_reason = "length"
+
+    def _emit(self, seq: _Sequence) -> None:
+        """Send the sample's new tokens and the text that can no longer change."""
+        out = seq.out
+        text_end = len(out.text)
+        if not seq.finished:
+            # Hold back what could still turn out to be the start of a stop string, and a
+            # trailing partial UTF-8 character that the next token completes.
+            text_end -= max(seq.max_stop_len - 1, 0)
+            while text_end > seq.emitted_chars and out.text[text_end - 1] == "\ufffd":
+                text_end -= 1
+        text_end = max(text_end, seq.emitted_chars)
+        new_tokens = slice(seq.emitted_tokens, len(out.token_ids))
+        event = StreamEvent(
+            index=out.index,
+            token_ids=out.token_ids[new_tokens],
+            logprobs=out.logprobs[new_tokens],
+            top_logprobs=out.top_logprobs[new_tokens],
+            text=out.text[seq.emitted_chars : text_end],
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        seq.emitted_tokens = len(out.token_ids)
+        seq.emitted_chars = text_end
+        if seq.handle.stream:
+            seq.handle._put(event)
+
+    def _retire_finished(self) -> None:
+        """Drop finished rows from the batch and close requests whose samples are all done."""
+        for seq in self._running:
+            if seq.handle.aborted and not seq.finished:
+                seq.out.finish_reason = "abort"
+        keep = [i for i, s in enumerate(self._running) if not s.finished]
+        if len(keep) == len(self._running):
+            return
+        done = {id(s.handle): s.handle for s in self._running if s.finished}
+        if not keep:
+            self._cache, self._mask, self._running = None, None, []
+        else:
+            assert self._cache is not None and self._mask is not None
+            index = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
+            self._cache.batch_select_indices(index)
+            mask = self._mask[index]
+            # Columns of padding that no remaining row needs are cut off the left edge.
+            leading = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+            if leading:
+                mask = mask[:, leading:]
+                for layer in self._cache.layers:
+                    layer.keys = layer.keys[:, :, leading:, :]
+                    layer.values = layer.values[:, :, leading:, :]
+            self._mask = mask
+            self._running = [self._running[i] for i in keep]
+        still_running = {id(s.handle) for s in self._running}
+        for key, handle in done.items():
+            if key not in still_running and handle.finished:
+                handle._put(None)
+
+    def _fail_batch(self, exc: BaseException, admitted: list[RequestHandle]) -> None:
+        handles = {id(s.handle): s.handle for s in self._running}
+        handles.update({id(h): h for h in admitted})
+        self._cache, self._mask, self._running = None, None, []
+        error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+        for handle in handles.values():
+            for out in handle.outputs:
+                out.finish_reason = out.finish_reason or "abort"
+            handle._put(error)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            pending = self._pending_reload
+            self._pending_reload = None
+        self._fail_batch(exc, waiting)
+        if pending is not None:
+            pending[1].set_exception(exc)

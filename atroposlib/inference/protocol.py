@@ -1,0 +1,185 @@
+"""Request bodies of the OpenAI-compatible endpoints, with vLLM's extra sampling fields.
+
+Only fields the server implements are declared. Unknown fields are ignored (as vLLM and OpenAI
+do), except the features we do not serve, which are rejected with a 400 so a client never
+silently gets something other than it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from atroposlib.inference.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` of OpenAI: whether the last chunk carries ``usage``."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="Served model name (see GET /v1/models).")
+    n: int = Field(1, description="Samples per prompt.")
+    max_tokens: int | None = Field(None, description="Max generated tokens per sample.")
+    temperature: float | None = Field(None, description="0 means greedy. Default 1.")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="vLLM extra; -1 or 0 disables it.")
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of", "suffix", "guided_json")
+
+    def check_unsupported(self) -> None:
+        """Raise ``ValueError`` for requested features this server does not implement."""
+        extra = self.model_extra or {}
+        for name in self.unsupported:
+            value = extra.get(name)
+            if value in (None, False, {}, []) or (name == "best_of" and value == self.n):
+                continue
+            raise ValueError(f"'{name}' is not supported by atropos-serve")
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """Build the engine's :class:`SamplingParams` (defaults as in vLLM)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        top_k = -1 if self.top_k in (None, 0) else self.top_k
+        return SamplingParams(
+            max_tokens=max_tokens,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    unsupported: ClassVar[tuple[str, ...]] = _SamplingRequest.unsupported + (
+        "tools",
+        "functions",
+        "response_format",
+    )
+
+    def check_unsupported(self) -> None:  # noqa: D102 - see base class
+        extra = self.model_extra or {}
+        response_format = extra.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type") == "text":
+            extra.pop("response_format")
+        if extra.get("tool_choice") == "none":
+            extra.pop("tools", None)
+        super().check_unsupported()
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``: vLLM's token-level endpoint as upstream's ``VLLMServer`` calls it.
+
+    ``prompt`` is ``{"prompt_token_ids": [...]}`` (or plain text); the other fields are vLLM
+    ``SamplingParams`` keyword arguments.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: dict[str, list[int]] | str
+    stream: Literal[False] = False
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's :class:`SamplingParams` for this request."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=-1 if self.top_k == 0 else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class ReloadRequest(BaseModel):
+    """``POST /reload_weights``: a checkpoint folder written by ``save_pretrained``."""
+
+    path: str = Field(
+        description="Folder with config.json and safetensors weights of the same architecture.",
+        validation_alias=AliasChoices("path", "model_path", "checkpoint_path"),
+    )

@@ -1,0 +1,189 @@
+"""Sampling parameters and the batched sampler used by the generation engine.
+
+Log-probabilities reported to clients are always the model's raw distribution
+(``log_softmax`` of the logits), as vLLM reports them by default; temperature, top-k, top-p,
+min-p and penalties only shape the distribution that tokens are drawn from.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures at or below this are treated as greedy decoding (argmax)."""
+
+
+@dataclass
+class SamplingParams:
+    """How to generate the samples of one request (the subset of vLLM's parameters we serve)."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """None: no log-probs; 0: the sampled token's; k: the sampled token's and the top k."""
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def validate(self, max_n: int, max_logprobs: int) -> None:
+        """Raise ``ValueError`` (reported as HTTP 400) for values no backend would accept."""
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.n > max_n:
+            raise ValueError(f"n must be at most {max_n} (the server's --max-concurrency)")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= max_logprobs:
+                raise ValueError(f"{name} must be in [0, {max_logprobs}], got {value}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request decodes by argmax."""
+        return self.temperature <= GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Whether any repetition-style penalty changes the sampling distribution."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def make_generator(self, sample_index: int) -> torch.Generator:
+        """A private random stream per sample: seeded requests repeat, whatever else is batched."""
+        seed = self.seed + sample_index if self.seed is not None else secrets.randbits(63)
+        generator = torch.Generator()
+        generator.manual_seed(seed % (2**63))
+        return generator
+
+
+@dataclass
+class RowState:
+    """What the sampler needs to know about one sequence in the batch."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int]
+    prompt_ids: list[int]
+    banned_until_min: list[int]
+    """Token ids (EOS, stop ids) that may not be sampled until ``min_tokens`` are out."""
+
+
+def sample_next(logits: torch.Tensor, rows: list[RowState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from ``logits`` ([batch, vocab], raw model output).
+
+    Returns ``(token_ids, raw_logprobs)``: the sampled ids ([batch]) and the log-softmax of the
+    raw logits ([batch, vocab]), from which reported log-probs are read.
+    """
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    batch = logits.shape[0]
+    chosen = torch.empty(batch, dtype=torch.long)
+
+    shaped = logits
+    copied = False
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.needs_penalties or (
+            row.banned_until_min and len(row.output_ids) < params.min_tokens
+        ):
+            if not copied:
+                shaped = logits.clone()
+                copied = True
+            _apply_penalties(shaped[i], row)
+
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.long)
+        chosen[index] = shaped[index].argmax(dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not sampled:
+        return chosen, raw_logprobs
+
+    index = torch.tensor(sampled, dtype=torch.long)
+    temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32)
+    scores = shaped[index] / temps[:, None]
+    top_ks = [rows[i].params.top_k for i in sampled]
+    top_ps = [rows[i].params.top_p for i in sampled]
+    min_ps = [rows[i].params.min_p for i in sampled]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        scores = _top_k_top_p(scores, top_ks, top_ps)
+    if any(p > 0.0 for p in min_ps):
+        probs = torch.softmax(scores, dim=-1)
+        floor = torch.tensor(min_ps)[:, None] * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    for j, i in enumerate(sampled):
+        chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    return chosen, raw_logprobs
+
+
+def _apply_penalties(scores: torch.Tensor, row: RowState) -> None:
+    """Penalise repeats (vLLM semantics) and ban end tokens before ``min_tokens``, in place."""
+    params = row.params
+    if row.banned_until_min and len(row.output_ids) < params.min_tokens:
+        scores[row.banned_until_min] = float("-inf")
+    if not params.needs_penalties:
+        return
+    if params.repetition_penalty != 1.0:
+        # Like vLLM, repetition penalty covers prompt and output tokens.
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        if len(seen):
+            values = scores[seen]
+            scores[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+    if row.output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(row.output_ids, dtype=torch.long).unique(return_counts=True)
+        scores[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
+
+
+def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks])
+    ranks = torch.arange(vocab)[None, :]
+    remove = ranks >= ks[:, None]
+    sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))
+    ps = torch.tensor(top_ps, dtype=torch.float32)
+    probs = torch.softmax(sorted_scores, dim=-1)
+    # A token stays if the mass strictly before it is below top_p, so the top token always stays.
+    before = probs.cumsum(dim=-1) - probs
+    sorted_scores = sorted_scores.masked_fill(before >= ps[:, None], float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)

@@ -1,0 +1,686 @@
+"""The HTTP layer of ``atropos-serve``: OpenAI- and vLLM-compatible routes over the engine.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming),
+``GET /v1/models``, ``GET /health``, ``POST /generate`` (vLLM's token-level endpoint used by
+upstream's ``VLLMServer``) and ``POST /reload_weights``. Every error body has OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atroposlib.inference.engine import (
+    EngineError,
+    EngineUnavailableError,
+    GenerationEngine,
+    QueueFullError,
+    RequestHandle,
+    SampleOutput,
+    StreamEvent,
+)
+from atroposlib.inference.models import load_weights
+from atroposlib.inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ReloadRequest,
+)
+from atroposlib.inference.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {message, type, param, code}}``."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        """The error as a response (429 and 503 say when to retry)."""
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share: the engine, names, auth and reload bookkeeping."""
+
+    engine: GenerationEngine
+    served_model_names: list[str]
+    model_source: str
+    dtype: torch.dtype
+    api_key: str | None = None
+    created: int = 0
+    reload_lock: asyncio.Lock | None = None
+    last_reload: dict[str, Any] | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (kept across weight reloads)."""
+        return self.engine.tokenizer
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """Build the FastAPI application serving ``state.engine``.
+
+    The caller owns the engine: start it before serving and shut it down afterwards (the
+    app's lifespan does the latter).
+    """
+    state.created = state.created or int(time.time())
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.reload_lock = asyncio.Lock()
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="atropos-serve", lifespan=_as_context(lifespan))
+    app.state.atropos = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+            for e in errors
+        )
+        return APIError(400, message or "invalid request", param=".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        if state.api_key and request.url.path != "/health":
+            supplied = request.headers.get("authorization", "")
+            if supplied != f"Bearer {state.api_key}":
+                return APIError(
+                    401, "invalid or missing API key", code="invalid_api_key"
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine runs, 503 otherwise (vLLM clients only read the status)."""
+        engine = state.engine
+        body = {
+            "status": "ok" if engine.healthy else "unavailable",
+            "model": state.served_model_names[0],
+            "weights_version": engine.weights_version,
+            **engine.load(),
+            "stats": dict(engine.stats),
+        }
+        return JSONResponse(body, status_code=200 if engine.healthy else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The served model names (one entry per alias), as in OpenAI and vLLM."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "atropos",
+                    "root": state.model_source,
+                    "parent": None,
+                    "max_model_len": state.engine.max_model_len,
+                }
+                for name in state.served_model_names
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions; the prompt is rendered with the tokenizer's chat template."""
+        _check_model(state, body.model)
+        _check_features(body)
+        prompt_ids = _render_chat(state, body)
+        max_tokens = _resolve_max_tokens(
+            state, len(prompt_ids), body.max_completion_tokens or body.max_tokens
+        )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, logprobs)
+        handle = _submit(state, prompt_ids, params, body.stream)
+        if body.stream:
+            return _sse(_chat_stream(state, body, handle))
+        outputs = await _wait(request, [handle])
+        choices = [
+            {
+                "index": out.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": _chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs)
+                if body.logprobs
+                else None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            for out in outputs[0]
+        ]
+        return _json(
+            {
+                "id": f"chatcmpl-{handle.id}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": choices,
+                "usage": _usage([handle]),
+            },
+            handle,
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completions for one prompt or a batch (text or token ids)."""
+        _check_model(state, body.model)
+        _check_features(body)
+        if body.echo:
+            raise APIError(400, "'echo' is not supported by atropos-serve", param="echo")
+        prompts = _completion_prompts(state, body)
+        handles = []
+        try:
+            for prompt_ids in prompts:
+                max_tokens = _resolve_max_tokens(state, len(prompt_ids), body.max_tokens)
+                params = body.sampling_params(max_tokens, body.logprobs)
+                handles.append(_submit(state, prompt_ids, params, body.stream))
+        except APIError:
+            for handle in handles:
+                handle.abort()
+            raise
+        if body.stream:
+            return _sse(_completion_stream(state, body, handles))
+        outputs = await _wait(request, handles)
+        choices = []
+        for p, outs in enumerate(outputs):
+            for out in outs:
+                choices.append(
+                    {
+                        "index": p * body.n + out.index,
+                        "text": out.text,
+                        "logprobs": _completion_logprobs(state, out, body.logprobs)
+                        if body.logprobs is not None
+                        else None,
+                        "finish_reason": out.finish_reason,
+                        "stop_reason": out.stop_reason,
+                    }
+                )
+        return _json(
+            {
+                "id": f"cmpl-{handles[0].id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": choices,
+                "usage": _usage(handles),
+            },
+            handles[0],
+        )
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        """vLLM's token-level endpoint (as served by upstream's ``vllm_api_server.py``).
+
+        Answers ``{"text", "prompt", "finish_reasons", "logprobs", "prompt_token_ids",
+        "token_ids"}``; ``logprobs[i]`` holds, per generated token, a one-element list with a
+        ``{token_id: logprob}`` dict whose first key is the generated token.
+        """
+        if isinstance(body.prompt, str):
+            prompt_ids = state.tokenizer(body.prompt)["input_ids"]
+        else:
+            if "prompt_token_ids" not in body.prompt:
+                raise APIError(400, "prompt must be {'prompt_token_ids': [...]}", param="prompt")
+            prompt_ids = list(body.prompt["prompt_token_ids"])
+        handle = _submit(state, prompt_ids, body.sampling_params(), False)
+        outputs = (await _wait(request, [handle]))[0]
+        result: dict[str, Any] = {
+            "text": [out.text for out in outputs],
+            "prompt": state.tokenizer.decode(prompt_ids),
+            "finish_reasons": [out.finish_reason for out in outputs],
+            "stop_reasons": [out.stop_reason for out in outputs],
+            "prompt_token_ids": prompt_ids,
+            "token_ids": [out.token_ids for out in outputs],
+        }
+        if body.logprobs is not None:
+            result["logprobs"] = [_generate_logprobs(out) for out in outputs]
+        if body.prompt_logprobs is not None:
+            result["prompt_logprobs"] = handle.prompt_logprobs
+        return _json(result, handle)
+
+    @app.post("/reload_weights")
+    async def reload_weights(body: ReloadRequest) -> dict[str, Any]:
+        """Load new weights from a checkpoint folder and swap them in without a restart.
+
+        Sequences already generating finish on the old weights; requests that arrive meanwhile
+        wait and then run on the new ones. The reply comes once the new weights are live.
+        """
+        path = Path(body.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise APIError(400, f"{path} is not a checkpoint folder (no config.json)", param="path")
+        assert state.reload_lock is not None
+        async with state.reload_lock:
+            requested = time.time()
+            started = time.monotonic()
+            try:
+                model = await asyncio.to_thread(load_weights, str(path), state.dtype)
+            except Exception as exc:  # noqa: BLE001 - any loading failure is the client's input
+                raise APIError(400, f"could not load {path}: {exc}", param="path") from exc
+            load_seconds = time.monotonic() - started
+            try:
+                future = state.engine.request_reload(model)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="path") from exc
+            info = await asyncio.wrap_future(future)
+            state.model_source = str(path)
+            state.last_reload = {
+                "status": "ok",
+                "model": state.served_model_names[0],
+                "path": str(path),
+                "weights_version": info.weights_version,
+                "requested_at": requested,
+                "live_at": info.live_at,
+                "load_seconds": round(load_seconds, 3),
+                "drain_seconds": round(info.drain_seconds, 3),
+                "total_seconds": round(time.monotonic() - started, 3),
+            }
+            logger.info("reloaded weights from %s: %s", path, state.last_reload)
+            return state.last_reload
+
+    return app
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_context(lifespan: Callable[[FastAPI], AsyncIterator[None]]):
+    from contextlib import asynccontextmanager
+
+    return asynccontextmanager(lifespan)
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model not in state.served_model_names:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. Served: {', '.join(state.served_model_names)}",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _check_features(body: ChatCompletionRequest | CompletionRequest) -> None:
+    try:
+        body.check_unsupported()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    """vLLM's default: whatever context is left after the prompt."""
+    room = state.engine.max_model_len - prompt_len
+    if requested is None:
+        if room < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {state.engine.max_model_len} tokens, "
+                f"and the prompt has {prompt_len}.",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        return room
+    return requested
+
+
+def _render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    messages = []
+    for i, message in enumerate(body.messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise APIError(
+                        400, "only text content parts are supported", param=f"messages.{i}"
+                    )
+                parts.append(part.get("text", ""))
+            content = "".join(parts)
+        if "role" not in message:
+            raise APIError(400, f"messages[{i}] has no role", param=f"messages.{i}.role")
+        messages.append({**message, "content": content if content is not None else ""})
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - template errors come from the client's messages
+        raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
+    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str):
+            encoded.append(
+                state.tokenizer(p, add_special_tokens=body.add_special_tokens)["input_ids"]
+            )
+        else:
+            encoded.append(list(p))
+    return encoded
+
+
+def _submit(
+    state: ServerState, prompt_ids: list[int], params: SamplingParams, stream: bool
+) -> RequestHandle:
+    try:
+        return state.engine.submit(prompt_ids, params, stream=stream)
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), code="server_overloaded") from exc
+    except EngineUnavailableError as exc:
+        raise APIError(503, str(exc)) from exc
+    except ValueError as exc:
+        code = "context_length_exceeded" if "context length" in str(exc) else None
+        raise APIError(400, str(exc), code=code) from exc
+
+
+async def _wait(request: Request, handles: list[RequestHandle]) -> list[list[SampleOutput]]:
+    """Await the handles, aborting them if the client goes away before they finish."""
+    task = asyncio.ensure_future(asyncio.gather(*(h.result() for h in handles)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+    except EngineUnavailableError as exc:
+        raise APIError(503, str(exc)) from exc
+    except EngineError as exc:
+        raise APIError(500, str(exc)) from exc
+    finally:
+        if not task.done():
+            task.cancel()
+            for handle in handles:
+                handle.abort()
+
+
+def _usage(handles: list[RequestHandle]) -> dict[str, int]:
+    prompt = sum(len(h.prompt_ids) for h in handles)
+    completion = sum(len(o.token_ids) for h in handles for o in h.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _json(body: dict[str, Any], handle: RequestHandle) -> JSONResponse:
+    # Which weights served the request: lets a trainer check a reload took effect.
+    headers = {"X-Weights-Version": str(handle.weights_version)}
+    return JSONResponse(body, headers=headers)
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return _decoder(state.tokenizer)(token_id)
+
+
+@lru_cache(maxsize=8)
+def _decoder(tokenizer: Any) -> Callable[[int], str]:
+    @lru_cache(maxsize=65536)
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return decode
+
+
+def _chat_logprobs(
+    state: ServerState,
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]],
+) -> dict[str, Any]:
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        text = _token_text(state, token_id)
+        alternatives = top[i] if i < len(top) else []
+        content.append(
+            {
+                "token": text,
+                "logprob": logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": _token_text(state, tid),
+                        "logprob": value,
+                        "bytes": list(_token_text(state, tid).encode("utf-8")),
+                    }
+                    for tid, value in alternatives
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(
+    state: ServerState, out: SampleOutput | StreamEvent, k: int | None, offset: int = 0
+) -> dict[str, Any]:
+    tokens, text_offset, top = [], [], []
+    position = offset
+    for i, token_id in enumerate(out.token_ids):
+        text = _token_text(state, token_id)
+        tokens.append(text)
+        text_offset.append(position)
+        position += len(text)
+        entry = {text: out.logprobs[i]}
+        if k and i < len(out.top_logprobs):
+            for tid, value in out.top_logprobs[i]:
+                entry.setdefault(_token_text(state, tid), value)
+        top.append(entry)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(out.logprobs),
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
+
+
+def _generate_logprobs(out: SampleOutput) -> list[list[dict[int, float]]]:
+    per_token = []
+    for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        entry = {token_id: logprob}
+        if i < len(out.top_logprobs):
+            for tid, value in out.top_logprobs[i]:
+                entry.setdefault(tid, value)
+        per_token.append([entry])
+    return per_token
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except EngineError as exc:
+            status = 503 if isinstance(exc, EngineUnavailableError) else 500
+            yield f"data: {json.dumps(APIError(status, str(exc)).body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Events of several handles as they come, tagged with the handle's position."""
+    if len(handles) == 1:
+        async for event in handles[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(position: int, handle: RequestHandle) -> None:
+        try:
+            async for event in handle.events():
+                await queue.put((position, event))
+            await queue.put((position, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((position, exc))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    remaining = len(handles)
+    try:
+        while remaining:
+            position, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            if not handle.finished:
+                handle.abort()
+
+
+async def _chat_stream(
+    state: ServerState, body: ChatCompletionRequest, handle: RequestHandle
+) -> AsyncIterator[dict[str, Any]]:
+    base = {
+        "id": f"chatcmpl-{handle.id}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.model,
+    }
+    for i in range(body.n):
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+    async for _, event in _merged([handle]):
+        if not event.text and event.finish_reason is None and not body.logprobs:
+            continue
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": event.index,
+                    "delta": {"content": event.text} if event.text else {},
+                    "logprobs": _chat_logprobs(
+                        state, event.token_ids, event.logprobs, event.top_logprobs
+                    )
+                    if body.logprobs
+                    else None,
+                    "finish_reason": event.finish_reason,
+                    "stop_reason": event.stop_reason,
+                }
+            ],
+        }
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**base, "choices": [], "usage": _usage([handle])}
+
+
+async def _completion_stream(
+    state: ServerState, body: CompletionRequest, handles: list[RequestHandle]
+) -> AsyncIterator[dict[str, Any]]:
+    base = {
+        "id": f"cmpl-{handles[0].id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+    }
+    offsets: dict[int, int] = {}
+    async for position, event in _merged(handles):
+        if not event.text and event.finish_reason is None and body.logprobs is None:
+            continue
+        index = position * body.n + event.index
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _completion_logprobs(state, event, body.logprobs, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(event.text)
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": index,
+                    "text": event.text,
+                    "logprobs": logprobs,
+                    "finish_reason": event.finish_reason,
+                    "stop_reason": event.stop_reason,
+                }
+            ],
+        }
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**base, "choices": [], "usage": _usage(handles)}
