@@ -121,3 +121,114 @@ def start_api(tmp_path: Path) -> Iterator:
     yield start
     for server in started:
         server.stop()
+
+
+# ---------------------------------------------------------------- atropos-serve (inference)
+
+
+class ServeProcess:
+    """``python -m atroposlib.inference.cli`` on a free loopback port; always killed on stop."""
+
+    def __init__(self, model: Path | str, *args: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model)
+        self.args = args
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> ServeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atroposlib.inference.cli",
+                "--model",
+                self.model,
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *self.args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"atropos-serve exited early:\n{self.log()}")
+                try:
+                    if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            raise RuntimeError(f"atropos-serve not healthy after {timeout}s:\n{self.log()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if hasattr(self, "_log") and not self._log.closed:
+            self._log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (seed 0)."""
+    pytest.importorskip("torch", reason="the inference extra (torch) is not installed")
+    from atroposlib.inference.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture, different weights (seed 1): the target of reload tests."""
+    pytest.importorskip("torch", reason="the inference extra (torch) is not installed")
+    from atroposlib.inference.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "seed1", seed=1)
+
+
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Path | str,
+    *args: str,
+    timeout: float = 120.0,
+) -> ServeProcess:
+    """Start a server; the caller stops it (fixtures below do so in a finally)."""
+    log = tmp_path_factory.mktemp("serve") / "atropos-serve.log"
+    return ServeProcess(model, *args, log_path=log).start(timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_serve(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[ServeProcess]:
+    """One ``atropos-serve`` with the tiny model for the whole session, served as ``tiny``.
+
+    For tests outside ``tests/inference`` that need a real OpenAI-compatible server.
+    """
+    server = start_server(
+        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", "tiny"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
