@@ -1,0 +1,69 @@
+"""The batched sampler: draws follow the shaped distribution and masked tokens never appear."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
+
+
+def _row(params: SamplingParams, sample_index: int = 0) -> RowState:
+    return RowState(
+        params=params,
+        generator=params.make_generator(sample_index),
+        output_ids=[],
+        prompt_ids=[],
+        banned_until_min=[],
+    )
+
+
+def test_draws_match_softmax_frequencies() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]))
+    row = _row(SamplingParams(max_tokens=1, temperature=1.0, seed=7))
+    counts = [0, 0, 0, 0]
+    draws = 20_000
+    for _ in range(draws):
+        token, _ = sample_next(logits, [row])
+        counts[int(token[0])] += 1
+    assert counts[1] == 0, "a zero-probability token was sampled"
+    for token, p in ((0, 0.1), (2, 0.6), (3, 0.3)):
+        tolerance = 5 * math.sqrt(p * (1 - p) / draws)
+        assert abs(counts[token] / draws - p) < tolerance
+
+
+def test_top_k_and_top_p_exclude_tokens_in_a_mixed_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000)
+    rows = [
+        _row(SamplingParams(max_tokens=1, temperature=1.0, top_k=3)),
+        _row(SamplingParams(max_tokens=1, temperature=0.0)),
+        _row(SamplingParams(max_tokens=1, temperature=2.0, top_p=0.05)),
+        _row(SamplingParams(max_tokens=1, temperature=1.0, seed=3)),
+    ]
+    top3 = set(logits[0].topk(3).indices.tolist())
+    sorted_probs, order = torch.softmax(logits[2] / 2.0, -1).sort(descending=True)
+    nucleus = set(order[: int((sorted_probs.cumsum(0) - sorted_probs < 0.05).sum())].tolist())
+    for _ in range(300):
+        tokens, raw = sample_next(logits, rows)
+        assert int(tokens[0]) in top3
+        assert int(tokens[1]) == int(logits[1].argmax())
+        assert int(tokens[2]) in nucleus
+        # Reported log-probs stay the model's raw distribution, whatever shaped the draw.
+        assert torch.allclose(raw, torch.log_softmax(logits, -1))
+
+
+def test_seeded_rows_repeat_whatever_else_is_batched() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 500)
+    seeded = SamplingParams(max_tokens=1, temperature=1.0, seed=42)
+
+    def draws(batch_logits: torch.Tensor, position: int) -> list[int]:
+        rows = [_row(SamplingParams(max_tokens=1)) for _ in range(batch_logits.shape[0])]
+        rows[position] = _row(seeded)
+        return [int(sample_next(batch_logits, rows)[0][position]) for _ in range(50)]
+
+    alone = draws(logits[:1], 0)
+    batched = draws(torch.cat([logits[1:], logits[:1]]), 2)
+    assert alone == batched
