@@ -179,6 +179,10 @@ class _Sequence:
         self.emitted_tokens = 0
         self.emitted_chars = 0
         self.checked_chars = 0
+        # Incremental detokenisation (as vLLM does): only a short window of ids is decoded per
+        # step, so the cost per token stays flat however long the sample grows.
+        self.prefix_offset = 0
+        self.read_offset = 0
         self.max_stop_len = max((len(s) for s in self.params.stop), default=0)
 
     @property
@@ -572,11 +576,8 @@ class GenerationEngine:
             out.finish_reason, out.stop_reason, ends_on_token = "stop", None, True
         elif min_ok and token in params.stop_token_ids:
             out.finish_reason, out.stop_reason, ends_on_token = "stop", token, True
-        # The stop token itself is not part of the text unless asked for, as in vLLM.
-        text_ids = out.token_ids
-        if ends_on_token and not params.include_stop_str_in_output:
-            text_ids = out.token_ids[:-1]
-        out.text = self.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
+        if not ends_on_token:
+            self._detokenize(seq)
         if params.stop and not out.finish_reason and min_ok:
             start = max(0, seq.checked_chars - seq.max_stop_len + 1)
             hits = [(out.text.find(s, start), s) for s in params.stop]
@@ -589,6 +590,28 @@ class GenerationEngine:
             seq.checked_chars = len(out.text)
         if not out.finish_reason and len(out.token_ids) >= params.max_tokens:
             out.finish_reason = "length"
+        if out.finish_reason and not isinstance(out.stop_reason, str):
+            # The final text is one full decode, so it is exactly what the tokenizer gives for
+            # the ids. The stop token itself is not part of the text unless asked for (vLLM).
+            text_ids = out.token_ids
+            if ends_on_token and not params.include_stop_str_in_output:
+                text_ids = out.token_ids[:-1]
+            out.text = self.tokenizer.decode(
+                text_ids, skip_special_tokens=params.skip_special_tokens
+            )
+
+    def _detokenize(self, seq: _Sequence) -> None:
+        """Extend ``seq.out.text`` by the characters the newest token completes."""
+        ids, skip = seq.out.token_ids, seq.params.skip_special_tokens
+        prefix = self.tokenizer.decode(
+            ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip
+        )
+        window = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+        # A trailing U+FFFD is an incomplete UTF-8 character: wait for the next token.
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            seq.out.text += window[len(prefix) :]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(ids)
 
     def _emit(self, seq: _Sequence) -> None:
         """Send the sample's new tokens and the text that can no longer change."""
