@@ -1,0 +1,244 @@
+"""Turn a chat into ``tokens`` and loss ``masks`` for the trainer.
+
+``masks`` has one entry per token: ``-100`` where the trainer must not compute a loss (system,
+user and tool turns, chat-template scaffolding) and the token id itself where it should (the
+assistant's own output).
+
+Two masking modes, as in upstream Atropos:
+
+* **last turn only** (default): everything up to the last message's generation prompt is masked;
+  the last message (and whatever the template appends after it) is trained on.
+* **all assistant turns** (``train_on_all_assistant_turns=True``): every ``assistant`` / ``agent``
+  message is trained on, everything else is masked.
+
+The boundaries come from rendering prefixes of the chat with the tokenizer's chat template.
+Upstream assumes templates render prefixes *stably* (the tokens of ``chat[:i]`` are a prefix of
+the tokens of ``chat``). Templates that break this (date-stamped system prompts, templates that
+drop earlier reasoning, ...) would give masks of the wrong length there; here every boundary is
+the longest common prefix of the full tokens and the rendered prefix, so ``masks`` always has
+exactly ``len(tokens)`` entries and a boundary can only move *earlier* (more conservative), with a
+warning logged.
+
+Differences from upstream, all deliberate:
+
+* Works with ``transformers`` 5, whose ``apply_chat_template`` returns a ``BatchEncoding`` and
+  refuses an empty conversation (the prefix of a one-message chat).
+* ``finish_reason == "length"`` also drops the end-of-turn EOS when the template appends
+  whitespace after it (ChatML templates such as SmolLM2's or Qwen's end every turn with
+  ``<|im_end|>\\n``), so a truncated generation never learns to stop; upstream only drops a
+  literally final EOS, which never happens with those templates.
+* An empty chat raises ``ValueError`` instead of an obscure template error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+UNMASKED_ROLES = ["assistant", "agent"]
+"""Roles whose messages are trained on when ``train_on_all_assistant_turns`` is set."""
+
+MASK_VALUE = -100
+"""Label value the trainer ignores (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``)."""
+
+_SENTINEL = "\u2063ATROPOS_CONTENT_SENTINEL\u2063"
+# How many whitespace-only tokens may follow the final EOS for the length-truncation drop.
+_MAX_TRAILING_WHITESPACE_TOKENS = 4
+
+__all__ = ["MASK_VALUE", "UNMASKED_ROLES", "tokenize_for_trainer"]
+
+
+def _as_token_list(result: Any) -> list[int]:
+    """Normalise what ``apply_chat_template`` / a tokenizer call returns into ``list[int]``."""
+    if isinstance(result, Mapping) or hasattr(result, "input_ids"):
+        result = result["input_ids"] if isinstance(result, Mapping) else result.input_ids
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    result = list(result)
+    if result and isinstance(result[0], (list, tuple)):
+        # A batch of one conversation.
+        if len(result) != 1:
+            raise ValueError(f"expected one tokenized conversation, got a batch of {len(result)}")
+        result = list(result[0])
+    return [int(t) for t in result]
+
+
+def _render(
+    tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = False
+) -> list[int]:
+    """Token ids of ``messages`` through the chat template."""
+    if add_generation_prompt:
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    else:
+        out = tokenizer.apply_chat_template(list(messages))
+    return _as_token_list(out)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _header_tokens(tokenizer: Any, history: Sequence[Any], message: Any) -> list[int] | None:
+    """Tokens the template renders for ``history`` and ``message`` up to ``message``'s content.
+
+    ``history + [message]`` is rendered as text with a sentinel in place of the message's
+    content, and the text before the sentinel is tokenized. This finds where a message's content
+    starts even when the generation prompt does not match the message (an ``agent`` role under a
+    template whose generation prompt says ``assistant``) or the template cannot render an empty
+    conversation. ``None`` if that is not possible (e.g. non-string content).
+    """
+    if not isinstance(message, Mapping) or not isinstance(message.get("content"), str):
+        return None
+    probe = dict(message)
+    probe["content"] = _SENTINEL
+    try:
+        text = tokenizer.apply_chat_template([*history, probe], tokenize=False)
+        if not isinstance(text, str) or text.count(_SENTINEL) != 1:
+            return None
+        before = text[: text.index(_SENTINEL)]
+        return _as_token_list(tokenizer(before, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - any failure here just means "cannot tell"
+        return None
+
+
+def _content_start(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int]) -> int:
+    """Index in ``tokens`` where message ``i``'s generated part starts.
+
+    That is the length of ``chat[:i]`` rendered with the generation prompt (upstream's
+    definition). When that is not a prefix of ``tokens``, the template's own header for the
+    message (see :func:`_header_tokens`) is tried as well, and the longest prefix either shares
+    with ``tokens`` wins.
+    """
+    prefix: list[int] | None
+    try:
+        prefix = _render(tokenizer, chat[:i], add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - e.g. transformers>=5 refuses empty conversations
+        if i > 0:
+            raise
+        prefix = None
+    start = _common_prefix_len(tokens, prefix) if prefix is not None else 0
+    if prefix is not None and start == len(prefix):
+        return start
+    header = _header_tokens(tokenizer, chat[:i], chat[i])
+    if header is not None:
+        header_start = _common_prefix_len(tokens, header)
+        if header_start == len(header):
+            return max(start, header_start)
+        start = max(start, header_start)
+    logger.warning(
+        "tokenize_for_trainer: the chat template does not render the prompt before message %d "
+        "stably (%s of its tokens match the full chat); masking only the common prefix",
+        i,
+        f"{start} of {len(prefix)}" if prefix is not None else "none",
+    )
+    return start
+
+
+def _content_end(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int]) -> int:
+    """Index in ``tokens`` just past message ``i`` (the length of ``chat[: i + 1]`` rendered)."""
+    if i == len(chat) - 1:
+        return len(tokens)
+    upto = _render(tokenizer, chat[: i + 1])
+    end = _common_prefix_len(tokens, upto)
+    if end != len(upto):
+        logger.warning(
+            "tokenize_for_trainer: the chat template does not render the chat up to message %d "
+            "stably (%d of its %d tokens match the full chat); unmasking only the common prefix",
+            i,
+            end,
+            len(upto),
+        )
+    return end
+
+
+def _length_truncation_cut(tokenizer: Any, tokens: list[int]) -> int | None:
+    """Where to cut ``tokens`` for a length-truncated generation, or ``None`` to keep them.
+
+    Cuts at a final EOS, or at an EOS followed only by a few whitespace tokens that the template
+    appends after every turn.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None or not tokens:
+        return None
+    eos_ids = set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
+    for back in range(min(len(tokens), _MAX_TRAILING_WHITESPACE_TOKENS + 1)):
+        idx = len(tokens) - 1 - back
+        tok = tokens[idx]
+        if tok in eos_ids:
+            return idx
+        try:
+            text = tokenizer.decode([tok])
+        except Exception:  # noqa: BLE001 - a tokenizer without decode: only a final EOS counts
+            return None
+        if not isinstance(text, str) or text.strip():
+            return None
+    return None
+
+
+def tokenize_for_trainer(
+    tokenizer: Any,
+    chat: Sequence[Mapping[str, Any]],
+    include_messages: bool = False,
+    train_on_all_assistant_turns: bool = False,
+    finish_reason: str = "",
+) -> dict[str, Any]:
+    """Tokenize ``chat`` with the tokenizer's chat template and build the trainer's loss masks.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer (anything with ``apply_chat_template``).
+        chat: The messages (``{"role": ..., "content": ...}`` dicts), the last one usually the
+            model's completion.
+        include_messages: Also return ``chat`` under ``"messages"``.
+        train_on_all_assistant_turns: Unmask every ``assistant``/``agent`` message instead of
+            only the last message.
+        finish_reason: The completion's finish reason; ``"length"`` drops the trailing EOS (and
+            any template whitespace after it) so a truncated generation does not learn to stop.
+
+    Returns:
+        ``{"tokens": list[int], "masks": list[int]}`` of equal length (``masks`` holds ``-100``
+        for positions without loss and the token id elsewhere), plus ``"messages": chat`` when
+        ``include_messages`` is set.
+
+    Raises:
+        ValueError: ``chat`` is empty.
+    """
+    if not chat:
+        raise ValueError("tokenize_for_trainer: chat is empty; need at least one message")
+
+    tokens = _render(tokenizer, chat)
+
+    if not train_on_all_assistant_turns:
+        start = _content_start(tokenizer, chat, len(chat) - 1, tokens)
+        masks = [MASK_VALUE] * start + tokens[start:]
+    else:
+        masks = [MASK_VALUE] * len(tokens)
+        for i, msg in enumerate(chat):
+            if msg.get("role") not in UNMASKED_ROLES:
+                continue
+            start = _content_start(tokenizer, chat, i, tokens)
+            end = _content_end(tokenizer, chat, i, tokens)
+            end = max(start, end)
+            masks[start:end] = tokens[start:end]
+
+    if finish_reason == "length":
+        cut = _length_truncation_cut(tokenizer, tokens)
+        if cut is not None:
+            logger.debug(
+                "tokenize_for_trainer: dropping %d trailing token(s) (EOS) of a length-truncated "
+                "generation",
+                len(tokens) - cut,
+            )
+            tokens = tokens[:cut]
+            masks = masks[:cut]
+
+    result: dict[str, Any] = {"tokens": tokens, "masks": masks}
+    if include_messages:
+        result["messages"] = chat
+    return result
