@@ -13,11 +13,14 @@ Two masking modes, as in upstream Atropos:
 
 The boundaries come from rendering prefixes of the chat with the tokenizer's chat template.
 Upstream assumes templates render prefixes *stably* (the tokens of ``chat[:i]`` are a prefix of
-the tokens of ``chat``). Templates that break this (date-stamped system prompts, templates that
-drop earlier reasoning, ...) would give masks of the wrong length there; here every boundary is
-the longest common prefix of the full tokens and the rendered prefix, so ``masks`` always has
-exactly ``len(tokens)`` entries and a boundary can only move *earlier* (more conservative), with a
-warning logged.
+the tokens of ``chat``); templates that break this (date-stamped or message-counting system
+prompts, templates that drop earlier reasoning, generation prompts that open a think block) gave
+it masks of the wrong length. Here a boundary whose rendering is not a prefix is located by
+aligning the rendering's *end* with the full tokens (the last messages and the generation prompt
+still match, shifted by a few positions), with a warning logged; ``masks`` always has exactly
+``len(tokens)`` entries. A message whose role differs from the generation prompt's (``agent``
+under a template whose generation prompt says ``assistant``) is located by the template's own
+header for that message.
 
 Differences from upstream, all deliberate:
 
@@ -45,6 +48,10 @@ MASK_VALUE = -100
 """Label value the trainer ignores (PyTorch's ``CrossEntropyLoss`` default ``ignore_index``)."""
 
 _SENTINEL = "\u2063ATROPOS_CONTENT_SENTINEL\u2063"
+# Alignment of unstable prefix renderings: how far the boundary may shift, and how long a
+# matching suffix is enough.
+_ALIGN_WINDOW = 64
+_ALIGN_MAX_MATCH = 256
 # How many whitespace-only tokens may follow the final EOS for the length-truncation drop.
 _MAX_TRAILING_WHITESPACE_TOKENS = 4
 
@@ -77,12 +84,35 @@ def _render(
     return _as_token_list(out)
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _is_prefix(prefix: Sequence[int], tokens: Sequence[int]) -> bool:
+    return len(prefix) <= len(tokens) and list(tokens[: len(prefix)]) == list(prefix)
+
+
+def _align_end(tokens: Sequence[int], rendered: Sequence[int]) -> tuple[int, int]:
+    """Where ``rendered`` (a prefix rendering that is *not* a prefix of ``tokens``) ends in
+    ``tokens``.
+
+    An unstable template changes something early on (a date, a message count, a dropped
+    reasoning block) while the tokens just before the boundary (the last messages and the
+    generation prompt) stay the same, shifted by a few positions. So the end position whose
+    preceding tokens match the longest suffix of ``rendered`` is the boundary; ties go to the
+    smallest shift. Returns ``(position, matched_suffix_length)``; a length of 0 means no match.
+    """
+    n = len(rendered)
+    best_pos, best_len = min(n, len(tokens)), 0
+    for delta in sorted(range(-_ALIGN_WINDOW, _ALIGN_WINDOW + 1), key=abs):
+        pos = n + delta
+        if pos < 0 or pos > len(tokens):
+            continue
+        length = 0
+        limit = min(n, pos, _ALIGN_MAX_MATCH)
+        while length < limit and tokens[pos - 1 - length] == rendered[n - 1 - length]:
+            length += 1
+        if length > best_len:
+            best_pos, best_len = pos, length
+            if length >= _ALIGN_MAX_MATCH:
+                break
+    return best_pos, best_len
 
 
 def _header_tokens(tokenizer: Any, history: Sequence[Any], message: Any) -> list[int] | None:
@@ -111,34 +141,39 @@ def _header_tokens(tokenizer: Any, history: Sequence[Any], message: Any) -> list
 def _content_start(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int]) -> int:
     """Index in ``tokens`` where message ``i``'s generated part starts.
 
-    That is the length of ``chat[:i]`` rendered with the generation prompt (upstream's
-    definition). When that is not a prefix of ``tokens``, the template's own header for the
-    message (see :func:`_header_tokens`) is tried as well, and the longest prefix either shares
-    with ``tokens`` wins.
+    Upstream's definition: the length of ``chat[:i]`` rendered with the generation prompt. When
+    that rendering is not a prefix of ``tokens``, the template's own header for the message (see
+    :func:`_header_tokens`) is tried, then both are aligned by their ends (:func:`_align_end`),
+    and as a last resort the rendered length is used, clipped to ``len(tokens)``.
     """
-    prefix: list[int] | None
+    prompt: list[int] | None
     try:
-        prefix = _render(tokenizer, chat[:i], add_generation_prompt=True)
+        prompt = _render(tokenizer, chat[:i], add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - e.g. transformers>=5 refuses empty conversations
         if i > 0:
             raise
-        prefix = None
-    start = _common_prefix_len(tokens, prefix) if prefix is not None else 0
-    if prefix is not None and start == len(prefix):
-        return start
+        prompt = None
+    if prompt is not None and _is_prefix(prompt, tokens):
+        return len(prompt)
     header = _header_tokens(tokenizer, chat[:i], chat[i])
-    if header is not None:
-        header_start = _common_prefix_len(tokens, header)
-        if header_start == len(header):
-            return max(start, header_start)
-        start = max(start, header_start)
+    if header is not None and _is_prefix(header, tokens):
+        return len(header)
+
+    candidates = [c for c in (header, prompt) if c is not None]
+    best_pos, best_len = 0, 0
+    for candidate in candidates:
+        pos, length = _align_end(tokens, candidate)
+        if length > best_len:
+            best_pos, best_len = pos, length
+    if best_len == 0:
+        best_pos = min(len(candidates[0]), len(tokens)) if candidates else 0
     logger.warning(
         "tokenize_for_trainer: the chat template does not render the prompt before message %d "
-        "stably (%s of its tokens match the full chat); masking only the common prefix",
+        "as a prefix of the full chat; its content is taken to start at token %d",
         i,
-        f"{start} of {len(prefix)}" if prefix is not None else "none",
+        best_pos,
     )
-    return start
+    return best_pos
 
 
 def _content_end(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int]) -> int:
@@ -146,16 +181,18 @@ def _content_end(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int])
     if i == len(chat) - 1:
         return len(tokens)
     upto = _render(tokenizer, chat[: i + 1])
-    end = _common_prefix_len(tokens, upto)
-    if end != len(upto):
-        logger.warning(
-            "tokenize_for_trainer: the chat template does not render the chat up to message %d "
-            "stably (%d of its %d tokens match the full chat); unmasking only the common prefix",
-            i,
-            end,
-            len(upto),
-        )
-    return end
+    if _is_prefix(upto, tokens):
+        return len(upto)
+    pos, length = _align_end(tokens, upto)
+    if length == 0:
+        pos = min(len(upto), len(tokens))
+    logger.warning(
+        "tokenize_for_trainer: the chat template does not render the chat up to message %d as a "
+        "prefix of the full chat; the message is taken to end at token %d",
+        i,
+        pos,
+    )
+    return pos
 
 
 def _length_truncation_cut(tokenizer: Any, tokens: list[int]) -> int | None:

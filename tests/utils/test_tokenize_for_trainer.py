@@ -148,27 +148,67 @@ def test_empty_chat_raises(smollm2_tokenizer: Any) -> None:
         tokenize_for_trainer(smollm2_tokenizer, [])
 
 
-def test_unstable_template_keeps_lengths(
-    smollm2_tokenizer: Any, caplog: pytest.LogCaptureFixture
+UNSTABLE_TEMPLATES = {
+    # The system line counts the messages: same token length, different token.
+    "count": "{{ '<|im_start|>system\\nturns: ' + (messages|length|string) + '<|im_end|>\\n' }}",
+    # The system line grows with the conversation (a date crossing midnight, say).
+    "grows": "{{ '<|im_start|>system\\n' + ('tick ' * (messages|length)) + '<|im_end|>\\n' }}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSTABLE_TEMPLATES))
+def test_unstable_template_exact_masks(
+    smollm2_tokenizer: Any, caplog: pytest.LogCaptureFixture, kind: str
 ) -> None:
-    """A system prompt that depends on the conversation length renders prefixes unstably."""
+    """Prefixes that render differently from the full chat are aligned by their ends."""
     tok = copy.deepcopy(smollm2_tokenizer)
-    tok.chat_template = (
-        "{{ '<|im_start|>system\nturns: ' + (messages|length|string) + '<|im_end|>\n' }}"
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-        "'<|im_end|>\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    tok.chat_template = UNSTABLE_TEMPLATES[kind] + (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     with caplog.at_level(logging.WARNING, logger="atroposlib.utils.tokenize_for_trainer"):
-        for all_turns in (False, True):
-            result = tokenize_for_trainer(tok, CHAT, train_on_all_assistant_turns=all_turns)
-            _check_shape(result)
-            assert result["tokens"] == _ids(tok, CHAT)
-            # The diverging system line can't be told apart, but it is masked.
-            assert result["masks"][0] == -100
-            tail = smollm2_tokenizer.decode([m for m in result["masks"] if m != -100])
-            assert tail.endswith("Sure thing<|im_end|>\n")
-    assert "stably" in caplog.text
+        last = tokenize_for_trainer(tok, CHAT)
+        every = tokenize_for_trainer(tok, CHAT, train_on_all_assistant_turns=True)
+    assert "not render" in caplog.text
+    for result in (last, every):
+        _check_shape(result)
+        assert result["tokens"] == _ids(tok, CHAT)
+    assert tok.decode([m for m in last["masks"] if m != -100]) == "Sure thing<|im_end|>\n"
+    assert tok.decode([m for m in every["masks"] if m != -100]) == (
+        "Hello there<|im_end|>\nSure thing<|im_end|>\n"
+    )
+    # The masked part is exactly everything before the last reply's content.
+    n_masked = last["masks"].count(-100)
+    assert last["masks"][:n_masked] == [-100] * n_masked
+
+
+def test_template_dropping_earlier_reasoning(smollm2_tokenizer: Any) -> None:
+    """Qwen3-style: reasoning of assistant turns before the last user turn is not rendered."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = (
+        "{% set ns = namespace(last_user=-1) %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}"
+        "{% endif %}{% endfor %}"
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c %}"
+        "{% set c = c.split('</think>')[-1].lstrip() %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    chat = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "<think>hmm</think>a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>ok</think>a2"},
+    ]
+    result = tokenize_for_trainer(tok, chat, train_on_all_assistant_turns=True)
+    _check_shape(result)
+    assert tok.decode(result["tokens"]).count("hmm") == 0
+    # The first reply is trained on as rendered in the full chat (without its reasoning).
+    assert tok.decode([m for m in result["masks"] if m != -100]) == (
+        "a1<|im_end|>\n<think>ok</think>a2<|im_end|>\n"
+    )
 
 
 def test_generation_prompt_longer_than_rendered_turn(smollm2_tokenizer: Any) -> None:

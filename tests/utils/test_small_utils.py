@@ -1,0 +1,139 @@
+"""Small upstream utilities: best-of-n selection, tool-call parsing, metrics, display, io."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from atroposlib.utils.best_of_n_selection import select_best_index
+from atroposlib.utils.display import display_metrics_table, format_metrics_table
+from atroposlib.utils.io import parse_http_response
+from atroposlib.utils.metrics import get_std_min_max_avg
+from atroposlib.utils.tool_call_parser import extract_tool_call, parse_tool_call
+
+
+def test_select_best_index_matches_upstream() -> None:
+    assert select_best_index([1, 3, 3, 2], [5, 4, 2, 1]) == 2
+    assert select_best_index([1, 3, 3, 2], [5, 4, 2, 1], secondary_lower_is_better=False) == 1
+    assert select_best_index([1, 3, 3, 0], [5, 4, 2, 1], primary_higher_is_better=False) == 3
+    assert select_best_index([2, 2, 2], [1, 1, 1]) == 0  # full tie: the first
+
+
+@pytest.mark.parametrize(("primary", "secondary"), [([], []), ([1], []), ([1, 2], [1])])
+def test_select_best_index_rejects(primary: list, secondary: list) -> None:
+    with pytest.raises(ValueError):
+        select_best_index(primary, secondary)
+
+
+def test_parse_tool_call() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    assert parse_tool_call(call) == ("f", {"x": 1}, False)
+    single = "<tool_call>{'name': 'f', 'arguments': {'x': 'a'}}</tool_call>"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_tool_call(single, tools) == ("f", {"x": "a"}, False)
+    unknown = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    assert parse_tool_call(unknown, [{"name": "f"}]) == ("-ERROR-", {}, True)
+    assert parse_tool_call("no call") == ("-ERROR-", {}, True)
+    assert parse_tool_call("<tool_call>not json</tool_call>") == ("-ERROR-", {}, True)
+    assert parse_tool_call("<tool_call>[1, 2]</tool_call>") == ("-ERROR-", {}, True)
+
+
+def test_parse_tool_call_improvements() -> None:
+    # An apostrophe inside a JSON string broke upstream's blanket quote replacement.
+    call = '<tool_call>{"name": "say", "arguments": {"text": "it\'s"}}</tool_call>'
+    assert parse_tool_call(call) == ("say", {"text": "it's"}, False)
+    # OpenAI-style arguments given as a JSON string are decoded.
+    call = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>'
+    assert parse_tool_call(call) == ("f", {"x": 2}, False)
+    # Python literals (True/None) from models imitating Python.
+    call = "<tool_call>{'name': 'f', 'arguments': {'flag': True, 'v': None}}</tool_call>"
+    assert parse_tool_call(call) == ("f", {"flag": True, "v": None}, False)
+
+
+def test_extract_tool_call() -> None:
+    assert extract_tool_call("<a>1</a><b>2</b>", ["b", "a"]) == "2"
+    assert extract_tool_call("x") is None
+    assert extract_tool_call("<tool_call>\n first \n</tool_call><tool_call>2</tool_call>") == (
+        "first"
+    )
+    assert extract_tool_call("<a.b>x</a.b>", ["a.b"]) == "x"  # tag names are not regexes
+
+
+def test_get_std_min_max_avg() -> None:
+    metrics: dict[str, Any] = {"other": 1}
+    out = get_std_min_max_avg("r", [1, 2, 3, 4], metrics)
+    assert out is metrics
+    assert out == {
+        "other": 1,
+        "r_mean": 2.5,
+        "r_std": pytest.approx(1.118033988749895),
+        "r_max": 4.0,
+        "r_min": 1.0,
+    }
+    assert get_std_min_max_avg("r", [], {}) == {}
+
+
+UPSTREAM_TABLE = """\
+|Groups|Version|Filter|n-shot|Metric  |   |   Value|   |Stderr|
+|------|-------|------|------|--------|---|-------:|---|-----:|
+|gsm8k |1      |none  |      |accuracy| ↑ |  0.5000| ± |0.0000|
+|gsm8k |1      |none  |      |avg len |   |123.4560| ± |0.0000|"""
+
+
+def test_metrics_table_matches_upstream(capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = {"eval/accuracy": 0.5, "eval/avg_len": 123.456}
+    assert format_metrics_table("gsm8k", metrics) == UPSTREAM_TABLE
+    display_metrics_table("gsm8k", metrics, 0.0, 2.5)
+    out = capsys.readouterr().out
+    assert (
+        out
+        == f"\nEvaluation Results: gsm8k\n{UPSTREAM_TABLE}\nEvaluation completed in 2.50 seconds\n"
+    )
+    # Empty metrics and non-numeric values do not crash.
+    assert format_metrics_table("t", {}).count("\n") == 1
+    assert "n/a" in format_metrics_table("t", {"note": "n/a"})
+
+
+class _AiohttpLike:
+    def __init__(self, status: int, body: Any) -> None:
+        self.status, self._body = status, body
+
+    def raise_for_status(self) -> None:
+        if self.status >= 400:
+            err = RuntimeError("bad status")
+            err.status = self.status  # type: ignore[attr-defined]
+            raise err
+
+    async def json(self) -> Any:
+        return self._body
+
+    async def text(self) -> str:
+        return str(self._body)
+
+
+class _HttpxLike:
+    def __init__(self, status_code: int, body: Any) -> None:
+        self.status_code, self._body = status_code, body
+        self.text = str(body)
+
+    def raise_for_status(self) -> None:
+        if self.status_code >= 400:
+            raise RuntimeError("bad status")
+
+    def json(self) -> Any:
+        return self._body
+
+
+def test_parse_http_response(caplog: pytest.LogCaptureFixture) -> None:
+    assert asyncio.run(parse_http_response(_AiohttpLike(200, {"a": 1}))) == {"a": 1}
+    assert asyncio.run(parse_http_response(_HttpxLike(200, [1]))) == [1]
+    log = logging.getLogger("test.io")
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError):
+        asyncio.run(parse_http_response(_AiohttpLike(503, "overloaded"), log))
+    assert "Status: 503" in caplog.text and "overloaded" in caplog.text
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError):
+        asyncio.run(parse_http_response(_HttpxLike(500, "boom")))
+    assert "Status: 500" in caplog.text and "boom" in caplog.text
