@@ -155,6 +155,7 @@ async def run_load(
     batch_size: int,
     pid: int | None,
     bodies_per_producer: int = 4,
+    trainer_sleep: float = 0.0,
 ) -> Result:
     result = Result(label, producers, duration)
     rng = random.Random(0)
@@ -229,7 +230,14 @@ async def run_load(
         results_q = ctx.Queue()
         trainer = ctx.Process(
             target=_trainer_process,
-            args=(url, deadline - time.monotonic(), group_size, batch_size, results_q),
+            args=(
+                url,
+                deadline - time.monotonic(),
+                group_size,
+                batch_size,
+                results_q,
+                trainer_sleep,
+            ),
         )
         trainer.start()
         sampler = asyncio.create_task(sample_rss())
@@ -248,9 +256,15 @@ async def run_load(
 
 
 def _trainer_process(
-    url: str, duration: float, group_size: int, batch_size: int, out: mp.Queue
+    url: str,
+    duration: float,
+    group_size: int,
+    batch_size: int,
+    out: mp.Queue,
+    trainer_sleep: float = 0.0,
 ) -> None:
-    """Pull batches as fast as the server hands them out; report count and latencies."""
+    """Pull batches as fast as the server hands them out (or with ``trainer_sleep`` seconds of
+    "training" after each one); report count and latencies."""
 
     async def pull() -> tuple[int, list[float], int]:
         batches, latencies, errors = 0, [], 0
@@ -272,6 +286,8 @@ def _trainer_process(
                     errors += 1
                 batches += 1
                 latencies.append(elapsed)
+                if trainer_sleep:
+                    await asyncio.sleep(trainer_sleep)
         return batches, latencies, errors
 
     out.put(asyncio.run(pull()))
@@ -332,6 +348,7 @@ def compare(args: argparse.Namespace) -> None:
                         args.seq_len,
                         args.batch_size,
                         proc.pid,
+                        trainer_sleep=args.trainer_sleep,
                     )
                 )
             finally:
@@ -363,6 +380,12 @@ def main() -> None:
     parser.add_argument(
         "--upstream-python", help="Python of a virtualenv with `pip install atroposlib==0.4.0`."
     )
+    parser.add_argument(
+        "--trainer-sleep",
+        type=float,
+        default=0.0,
+        help="Seconds the trainer 'trains' after each batch (a slow trainer fills the queue).",
+    )
     parser.add_argument("--producer-counts", type=int, nargs="+", default=[8, 32])
     parser.add_argument(
         "--our-flags",
@@ -389,6 +412,7 @@ def main() -> None:
             args.seq_len,
             args.batch_size,
             pid,
+            trainer_sleep=args.trainer_sleep,
         )
     )
     print(HEADER)

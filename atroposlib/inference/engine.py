@@ -196,7 +196,8 @@ class GenerationEngine:
     ``max_batch`` bounds the sequences decoded together (all samples of all requests);
     ``max_waiting`` bounds the requests queued behind them (more raise :class:`QueueFullError`);
     ``prefill_token_budget`` bounds how many prompt tokens one iteration prefills, so long
-    prompts do not stall the decoding of everyone else for long.
+    prompts do not stall the decoding of everyone else for long. Prompts prefilled together
+    that share a prefix of at least ``min_shared_prefix`` tokens compute it once.
     """
 
     def __init__(
@@ -209,6 +210,7 @@ class GenerationEngine:
         max_model_len: int | None = None,
         prefill_token_budget: int = 2048,
         max_logprobs: int = 20,
+        min_shared_prefix: int = 16,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -216,6 +218,7 @@ class GenerationEngine:
         self.max_waiting = max_waiting
         self.max_logprobs = max_logprobs
         self.prefill_token_budget = prefill_token_budget
+        self.min_shared_prefix = min_shared_prefix
         model_max = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_ids = self._eos_ids(model, tokenizer)
@@ -232,7 +235,13 @@ class GenerationEngine:
         self._stopped = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="atropos-engine", daemon=True)
-        self.stats = {"generated_tokens": 0, "prompt_tokens": 0, "requests": 0, "steps": 0}
+        self.stats = {
+            "generated_tokens": 0,
+            "prompt_tokens": 0,
+            "requests": 0,
+            "steps": 0,
+            "shared_prefix_tokens_saved": 0,
+        }
 
     @staticmethod
     def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -436,25 +445,59 @@ class GenerationEngine:
         for group in groups:
             self._prefill_group(group)
 
+    def _shared_prefix_len(self, handles: list[RequestHandle]) -> int:
+        """Length of the token prefix every prompt shares (a system prompt, few-shot examples),
+        leaving each prompt at least one token of its own; 0 when sharing is not worth it."""
+        if len(handles) < 2 or handles[0].params.prompt_logprobs is not None:
+            return 0
+        first = handles[0].prompt_ids
+        shared = min(len(h.prompt_ids) for h in handles) - 1
+        for handle in handles[1:]:
+            ids = handle.prompt_ids
+            i = 0
+            while i < shared and ids[i] == first[i]:
+                i += 1
+            shared = i
+            if shared < self.min_shared_prefix:
+                return 0
+        return shared
+
     def _prefill_group(self, handles: list[RequestHandle]) -> None:
-        width = max(len(h.prompt_ids) for h in handles)
+        # A prefix common to every prompt is run once and its KV cache shared by all rows: the
+        # rows then hold [prefix | padding | own suffix], which the attention mask and explicit
+        # positions make exact (padding columns are masked out, positions skip them).
+        shared = self._shared_prefix_len(handles)
+        cache = DynamicCache()
+        prefix_mask = torch.ones((len(handles), shared), dtype=torch.long)
+        if shared:
+            prefix = torch.tensor([handles[0].prompt_ids[:shared]], dtype=torch.long)
+            self.model(
+                input_ids=prefix.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache.batch_repeat_interleave(len(handles))
+            self.stats["shared_prefix_tokens_saved"] += shared * (len(handles) - 1)
+        width = max(len(h.prompt_ids) for h in handles) - shared
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = next(iter(self.eos_ids), 0)
         input_ids = torch.full((len(handles), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(handles), width), dtype=torch.long)
         for row, handle in enumerate(handles):
-            length = len(handle.prompt_ids)
-            input_ids[row, width - length :] = torch.tensor(handle.prompt_ids)
+            length = len(handle.prompt_ids) - shared
+            input_ids[row, width - length :] = torch.tensor(handle.prompt_ids[shared:])
             mask[row, width - length :] = 1
             handle.weights_version = self.weights_version
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        positions = (shared + mask.cumsum(dim=1) - 1).clamp(min=0)
+        mask = torch.cat([prefix_mask, mask], dim=1)
         want_prompt = handles[0].params.prompt_logprobs is not None
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=DynamicCache(),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )

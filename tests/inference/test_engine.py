@@ -1,0 +1,55 @@
+"""The generation engine through its library API: batching must not change what is generated."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from atroposlib.inference.engine import GenerationEngine
+from atroposlib.inference.models import load_model
+from atroposlib.inference.sampling import SamplingParams
+
+
+def _generate(
+    model_dir: Path, prompts: list[list[int]], **engine_kwargs
+) -> tuple[list, dict[str, int]]:
+    loaded = load_model(str(model_dir), "float32")
+
+    async def run() -> tuple[list, dict[str, int]]:
+        engine = GenerationEngine(loaded.model, loaded.tokenizer, **engine_kwargs).start()
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+            # A request in flight keeps the scheduler busy, so the prompts below (submitted
+            # within microseconds) are waiting together at its next admission.
+            busy = engine.submit(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+            await asyncio.sleep(0.05)
+            handles = [engine.submit(ids, params) for ids in prompts]
+            outs = [out[0] for out in await asyncio.gather(*(h.result() for h in handles))]
+            await busy.result()
+            return outs, dict(engine.stats)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_shared_prompt_prefix_is_computed_once_without_changing_results(
+    tiny_model_dir: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    system = "You are a careful assistant. Answer with one number and nothing else. " * 2
+    prompts = [
+        tokenizer(system + question, add_special_tokens=False)["input_ids"]
+        for question in ("What is 2+2?", "And 17 times 3, please?", "7-9?", "Sum of 1..10")
+    ]
+    shared, stats = _generate(tiny_model_dir, prompts, min_shared_prefix=4)
+    assert stats["shared_prefix_tokens_saved"] > 0
+    separate, stats = _generate(tiny_model_dir, prompts, min_shared_prefix=10**9)
+    assert stats["shared_prefix_tokens_saved"] == 0
+    alone = [_generate(tiny_model_dir, [p])[0][0] for p in prompts]
+    for a, b, c in zip(shared, separate, alone, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        for x, y, z in zip(a.logprobs, b.logprobs, c.logprobs, strict=True):
+            assert abs(x - z) < 1e-3 and abs(y - z) < 1e-3
