@@ -138,13 +138,39 @@ def _header_tokens(tokenizer: Any, history: Sequence[Any], message: Any) -> list
         return None
 
 
+_EXACT = 1 << 30
+
+
+def _boundary(tokens: Sequence[int], rendered: Sequence[int]) -> tuple[int, int]:
+    """Where the rendering of a chat prefix ends in ``tokens``, and how sure that is.
+
+    Returns ``(position, score)``: ``_EXACT`` when ``rendered`` is a prefix of ``tokens``;
+    ``_EXACT - 1`` when only its last token differs (say the template's trailing whitespace merged
+    with the content's first characters into one token), keeping upstream's boundary; the
+    matched suffix length when found by :func:`_align_end` (2 tokens at least, fewer is noise);
+    else 0, with upstream's answer, the rendered length clipped to ``len(tokens)``.
+    """
+    n = len(rendered)
+    if _is_prefix(rendered, tokens):
+        return n, _EXACT
+    common = 0
+    while common < min(n, len(tokens)) and tokens[common] == rendered[common]:
+        common += 1
+    if common >= n - 1:
+        return min(n, len(tokens)), _EXACT - 1
+    pos, length = _align_end(tokens, rendered)
+    if length >= 2:
+        return pos, length
+    return min(n, len(tokens)), 0
+
+
 def _content_start(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int]) -> int:
     """Index in ``tokens`` where message ``i``'s generated part starts.
 
     Upstream's definition: the length of ``chat[:i]`` rendered with the generation prompt. When
     that rendering is not a prefix of ``tokens``, the template's own header for the message (see
-    :func:`_header_tokens`) is tried, then both are aligned by their ends (:func:`_align_end`),
-    and as a last resort the rendered length is used, clipped to ``len(tokens)``.
+    :func:`_header_tokens`) is tried too, and the more reliable of the two boundaries found by
+    :func:`_boundary` wins.
     """
     prompt: list[int] | None
     try:
@@ -156,23 +182,22 @@ def _content_start(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int
     if prompt is not None and _is_prefix(prompt, tokens):
         return len(prompt)
     header = _header_tokens(tokenizer, chat[:i], chat[i])
-    if header is not None and _is_prefix(header, tokens):
-        return len(header)
 
-    candidates = [c for c in (header, prompt) if c is not None]
-    best_pos, best_len = 0, 0
-    for candidate in candidates:
-        pos, length = _align_end(tokens, candidate)
-        if length > best_len:
-            best_pos, best_len = pos, length
-    if best_len == 0:
-        best_pos = min(len(candidates[0]), len(tokens)) if candidates else 0
-    logger.warning(
-        "tokenize_for_trainer: the chat template does not render the prompt before message %d "
-        "as a prefix of the full chat; its content is taken to start at token %d",
-        i,
-        best_pos,
-    )
+    best_pos, best_score = 0, -1
+    for candidate in (prompt, header):
+        if candidate is not None:
+            pos, score = _boundary(tokens, candidate)
+            if score > best_score:
+                best_pos, best_score = pos, score
+    if best_score < _EXACT:
+        # A merge of the last prompt token with the content's first characters is routine.
+        logger.log(
+            logging.DEBUG if best_score == _EXACT - 1 else logging.WARNING,
+            "tokenize_for_trainer: the chat template does not render the prompt before message "
+            "%d as a prefix of the full chat; its content is taken to start at token %d",
+            i,
+            best_pos,
+        )
     return best_pos
 
 
@@ -180,18 +205,15 @@ def _content_end(tokenizer: Any, chat: Sequence[Any], i: int, tokens: list[int])
     """Index in ``tokens`` just past message ``i`` (the length of ``chat[: i + 1]`` rendered)."""
     if i == len(chat) - 1:
         return len(tokens)
-    upto = _render(tokenizer, chat[: i + 1])
-    if _is_prefix(upto, tokens):
-        return len(upto)
-    pos, length = _align_end(tokens, upto)
-    if length == 0:
-        pos = min(len(upto), len(tokens))
-    logger.warning(
-        "tokenize_for_trainer: the chat template does not render the chat up to message %d as a "
-        "prefix of the full chat; the message is taken to end at token %d",
-        i,
-        pos,
-    )
+    pos, score = _boundary(tokens, _render(tokenizer, chat[: i + 1]))
+    if score < _EXACT:
+        logger.log(
+            logging.DEBUG if score == _EXACT - 1 else logging.WARNING,
+            "tokenize_for_trainer: the chat template does not render the chat up to message %d "
+            "as a prefix of the full chat; the message is taken to end at token %d",
+            i,
+            pos,
+        )
     return pos
 
 

@@ -293,3 +293,36 @@ def test_properties(smollm2_tokenizer: Any, chat: list[dict], all_turns: bool, f
         if finish == "length" and chat[-1]["role"] == "assistant":
             expected = expected[: -len("<|im_end|>\n")]
         assert smollm2_tokenizer.decode([tokens[i] for i in unmasked]) == expected
+
+
+edgy_text = st.text(alphabet=st.sampled_from(list("ab .\n\t")), min_size=1, max_size=12)
+edgy_chats = st.lists(
+    st.fixed_dictionaries({"role": roles, "content": edgy_text}), min_size=1, max_size=5
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(chat=edgy_chats, all_turns=st.booleans())
+def test_properties_whitespace_edges(
+    smollm2_tokenizer: Any, chat: list[dict], all_turns: bool
+) -> None:
+    """Leading whitespace can merge with the template's newline into one (masked) token."""
+    result = tokenize_for_trainer(smollm2_tokenizer, chat, train_on_all_assistant_turns=all_turns)
+    _check_shape(result)
+    assert result["tokens"] == _ids(smollm2_tokenizer, chat)
+    trained = smollm2_tokenizer.decode([m for m in result["masks"] if m != -100])
+    if all_turns:
+        replies = [m["content"] for m in chat if m["role"] == "assistant"]
+    else:
+        replies = [chat[-1]["content"]]
+    # Each reply is trained on, except possibly leading whitespace merged into the prompt.
+    rest = trained
+    for reply in replies:
+        end = rest.index("<|im_end|>\n")
+        piece, rest = rest[:end], rest[end + len("<|im_end|>\n") :]
+        assert reply.endswith(piece)
+        assert piece == reply[len(reply) - len(piece) :]
+        assert reply[: len(reply) - len(piece)].strip() == ""
+    assert rest == ""
