@@ -30,6 +30,7 @@ __all__ = [
     "compute_discounted_returns",
     "compute_grpo_process_supervision_advantages",
     "compute_stats",
+    "number",
 ]
 
 
