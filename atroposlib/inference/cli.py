@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice, usually one per core).",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step: about 1.5x faster at small batches on CPU. Needs a "
+        "C++ compiler; the first start compiles for 2-3 minutes (later starts reuse torch's "
+        "on-disk cache). Weight reloads copy into the compiled model and stay cheap.",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -114,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         max_batch=args.max_concurrency,
         max_waiting=args.max_queue,
         max_model_len=args.max_model_len,
+        compile=args.compile,
     )
+    if args.compile:
+        logging.getLogger("atroposlib.inference").info(
+            "compiling the decode step (--compile): the first start takes a few minutes"
+        )
     warm = engine.warmup()
     engine.start()
     names = args.served_model_name or [args.model]

@@ -211,6 +211,7 @@ class GenerationEngine:
         prefill_token_budget: int = 2048,
         max_logprobs: int = 20,
         min_shared_prefix: int = 16,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -219,6 +220,12 @@ class GenerationEngine:
         self.max_logprobs = max_logprobs
         self.prefill_token_budget = prefill_token_budget
         self.min_shared_prefix = min_shared_prefix
+        self.compiled = compile
+        # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
+        # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
+        self._decode_model = (
+            torch.compile(model, dynamic=True) if compile else model  # type: ignore[assignment]
+        )
         model_max = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_ids = self._eos_ids(model, tokenizer)
@@ -280,9 +287,15 @@ class GenerationEngine:
                     logits_to_keep=1,
                 )
                 cache = out.past_key_values
+                mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
                 for _ in range(3):
-                    out = self.model(
+                    # The same call as the scheduler's decode step, so that with ``compile``
+                    # every graph it needs (batch 1, and any batch >1) is built here.
+                    mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+                    out = self._decode_model(
                         input_ids=ids[:, :1].to(self.device),
+                        attention_mask=mask,
+                        position_ids=mask.sum(dim=1, keepdim=True) - 1,
                         past_key_values=cache,
                         use_cache=True,
                         logits_to_keep=1,
@@ -396,7 +409,13 @@ class GenerationEngine:
             return
         model, future, requested_at = self._pending_reload
         drained = time.monotonic() - (self._drain_started or time.monotonic())
-        self.model = model
+        if self.compiled:
+            # Copy the weights into the compiled module in place: its graphs stay valid, so a
+            # reload costs a copy, not another compilation.
+            with torch.inference_mode(False), torch.no_grad():
+                self.model.load_state_dict(model.state_dict())
+        else:
+            self.model = self._decode_model = model
         self.weights_version += 1
         self._pending_reload = None
         info = ReloadInfo(
@@ -570,7 +589,7 @@ class GenerationEngine:
         input_ids = torch.tensor([[s.out.token_ids[-1]] for s in self._running], dtype=torch.long)
         mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
         positions = mask.sum(dim=1, keepdim=True) - 1
-        out = self.model(
+        out = self._decode_model(
             input_ids=input_ids.to(self.device),
             attention_mask=mask,
             position_ids=positions,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
+
+import pytest
 
 from atroposlib.inference.engine import GenerationEngine
 from atroposlib.inference.models import load_model
@@ -53,3 +56,38 @@ def test_shared_prompt_prefix_is_computed_once_without_changing_results(
         assert a.token_ids == b.token_ids == c.token_ids
         for x, y, z in zip(a.logprobs, b.logprobs, c.logprobs, strict=True):
             assert abs(x - z) < 1e-3 and abs(y - z) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")
+def test_compiled_decode_matches_eager_and_survives_a_reload(
+    tiny_model_dir: Path, tiny_model_dir_b: Path
+) -> None:
+    loaded = load_model(str(tiny_model_dir), "float32")
+    other = load_model(str(tiny_model_dir_b), "float32")
+    prompt = loaded.tokenizer("Count: one two three", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    async def generate(engine: GenerationEngine) -> list[int]:
+        return (await engine.submit(prompt, params).result())[0].token_ids
+
+    async def run() -> None:
+        eager = GenerationEngine(loaded.model, loaded.tokenizer).start()
+        eager_b = GenerationEngine(other.model, other.tokenizer).start()
+        compiled = GenerationEngine(
+            load_model(str(tiny_model_dir), "float32").model, loaded.tokenizer, compile=True
+        )
+        compiled.warmup()
+        compiled.start()
+        try:
+            before, after = await generate(eager), await generate(eager_b)
+            assert before != after, "the two checkpoints should generate differently"
+            assert await generate(compiled) == before
+            info = await asyncio.wrap_future(compiled.request_reload(other.model))
+            assert info.weights_version == 1
+            assert await generate(compiled) == after
+        finally:
+            for engine in (eager, eager_b, compiled):
+                engine.shutdown()
+
+    asyncio.run(run())
