@@ -101,7 +101,7 @@ class ManagedServer:
     # ------------------------------------------------------------------ setup
 
     def _initialize_tokenizer(self) -> None:
-        if getattr(self.server, "tokenizer", None) is not None:
+        if hasattr(self.server, "tokenizer"):  # the server's choice, even None
             self.tokenizer = self.server.tokenizer
             return
         try:

@@ -65,13 +65,25 @@ class ServerHarness:
     """Scripted server with the ``APIServer`` call surface.
 
     It has the attributes ``ServerManager`` routes on (``sem``, ``eval_sem``,
-    ``server_healthy``, ``config``) and records every request in ``calls`` as
+    ``server_healthy``, ``config``, ``tokenizer``) and records every request in ``calls`` as
     ``(method, kwargs)``.
     """
 
     provides_token_logprobs: ClassVar[bool] = True
 
-    def __init__(self, config: APIServerConfig | None = None, concurrency: int = 1) -> None:
+    def __init__(
+        self,
+        config: APIServerConfig | None = None,
+        concurrency: int = 1,
+        tokenizer: Any = None,
+    ) -> None:
+        """
+        Args:
+            config: Reported as ``config`` (default: model ``test_model``, no health check).
+            concurrency: Size of ``sem`` and ``eval_sem``.
+            tokenizer: Handed to ``ManagedServer`` sessions (None: they run without one).
+        """
+        self.tokenizer = tokenizer
         self.config = config or APIServerConfig(
             model_name="test_model", base_url="", health_check=False
         )

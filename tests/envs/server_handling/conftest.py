@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +15,6 @@ import uvicorn
 
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 from tests.conftest import free_port
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @contextmanager
