@@ -284,9 +284,11 @@ class ManagedServer:
 
     async def _generate_and_track(
         self, prompt: str, kwargs: dict[str, Any], keep_special_tokens: bool = False
-    ) -> list[tuple[str, str]]:
+    ) -> list[tuple[str, str, str]]:
         """Run ``prompt`` through the backend, store one node per choice and return
-        ``(completion_text, finish_reason)`` per choice."""
+        ``(text, markup_text, finish_reason)`` per choice: ``text`` without special tokens,
+        ``markup_text`` with them (tool tags may be special) but without trailing ones (EOS),
+        which chat templates write themselves."""
         extending_node = self._find_extending_node(prompt)
         request = dict(kwargs)
         request["prompt"] = prompt
@@ -314,7 +316,8 @@ class ManagedServer:
             finish_reason = (
                 raw_reason.get("type", "stop") if isinstance(raw_reason, dict) else raw_reason
             ) or "stop"
-            text = self._decode(output_tokens, skip_special_tokens=not keep_special_tokens)
+            text = self._decode(output_tokens, skip_special_tokens=True)
+            markup = self._decode(self._strip_trailing_special(output_tokens), False)
             raw_text = self._decode(output_tokens, skip_special_tokens=False)
             node = self._create_sequence_node(
                 input_text=prompt,
@@ -322,7 +325,7 @@ class ManagedServer:
                 prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens,
                 output_logprobs=output_logprobs[i] if i < len(output_logprobs) else [],
-                completion_text=text,
+                completion_text=markup if keep_special_tokens else text,
                 finish_reason=finish_reason,
                 extending_node=extending_node,
                 raw_completion_text=raw_text,
@@ -330,8 +333,15 @@ class ManagedServer:
             # The first choice replaces the extended node; further choices are new branches.
             self._store(node, extending_node if first_store else None)
             first_store = False
-            results.append((text, finish_reason))
+            results.append((text, markup, finish_reason))
         return results
+
+    def _strip_trailing_special(self, tokens: list[int]) -> list[int]:
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+        end = len(tokens)
+        while end > 0 and tokens[end - 1] in special:
+            end -= 1
+        return list(tokens[:end])
 
     # ------------------------------------------------------------------ public API
 
@@ -347,16 +357,16 @@ class ManagedServer:
         prompt = self._convert_messages_to_prompt(messages, tools=tools if has_tools else None)
         results = await self._generate_and_track(prompt, kwargs, keep_special_tokens=has_tools)
         choices = []
-        for i, (text, finish_reason) in enumerate(results):
+        for i, (text, markup, finish_reason) in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if has_tools and tool_choice != "none":
                 content, tool_calls, parsed_reason = self._get_translator().parse_model_output(
-                    raw_text=text,
+                    raw_text=markup,
                     tool_choice=tool_choice if isinstance(tool_choice, str) else "auto",
                     tools=tools,
                 )
-                message["content"] = content
                 if tool_calls:
+                    message["content"] = content
                     finish_reason = parsed_reason
                     message["tool_calls"] = [_tool_call_dict(tc) for tc in tool_calls]
             choices.append(
@@ -385,7 +395,7 @@ class ManagedServer:
             object="text_completion",
             choices=[
                 CompletionChoice(finish_reason=reason, index=i, text=text)
-                for i, (text, reason) in enumerate(results)
+                for i, (text, _, reason) in enumerate(results)
             ],
         )
 
