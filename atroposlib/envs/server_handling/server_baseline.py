@@ -273,7 +273,9 @@ class APIServer(ABC):
     2. sets ``model`` to ``config.model_name`` (chat calls also get reasoning options),
     3. waits while the server is unhealthy, then holds one slot of ``sem`` (train) or
        ``eval_sem`` (eval) for the duration of the request,
-    4. retries transient failures up to 3 attempts with random exponential backoff,
+    4. retries transient failures (transport errors, 5xx, 408/409/429) up to 3 attempts in
+       all, with random exponential backoff; exhausting them raises ``tenacity.RetryError``
+       (the last error is ``err.last_attempt.exception()``), other errors propagate at once,
     5. records the request time and attempt count in bounded buffers
        (``rolling_buffer_length`` entries) reported by ``wandb_metrics``.
 
@@ -283,8 +285,9 @@ class APIServer(ABC):
     ``_get_logprobs_wrapper``; ``_probe_health`` may be overridden.
     """
 
-    #: Whether ``tokens_and_logprobs_completion`` returns real token ids and logprobs.
-    provides_token_logprobs: ClassVar[bool] = False
+    #: Whether ``tokens_and_logprobs_completion`` returns real token ids and logprobs
+    #: (False for plain OpenAI endpoints: ``ManagedServer`` sessions need it).
+    provides_token_logprobs: ClassVar[bool] = True
     #: Attempts per request (the first try included).
     retry_attempts: ClassVar[int] = 3
 
@@ -467,7 +470,6 @@ class APIServer(ABC):
             stop=stop_after_attempt(self.retry_attempts),
             wait=wait_random_exponential(multiplier=1, max=10),
             retry=retry_if_exception(_retryable),
-            reraise=True,
         )
         async for attempt in retrying:
             with attempt:

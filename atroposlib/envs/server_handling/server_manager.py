@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import warnings
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from openai.types.completion import Completion
 from pydantic import BaseModel, Field
 
 from atroposlib.envs.server_handling.managed_server import DummyManagedServer, ManagedServer
-from atroposlib.envs.server_handling.openai_server import OpenAIServer
+from atroposlib.envs.server_handling.openai_server import OpenAIServer, merge_choices
 from atroposlib.envs.server_handling.server_baseline import (
     APIServer,
     APIServerConfig,
@@ -272,28 +273,19 @@ class ServerManager:
             remaining -= size
         return list(await asyncio.gather(*chunks))
 
-    @staticmethod
-    def _merge_choices(responses: list[Any]) -> Any:
-        out = responses[0]
-        for extra in responses[1:]:
-            out.choices.extend(extra.choices)
-        for i, choice in enumerate(out.choices):
-            choice.index = i
-        return out
-
     async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
         """Chat completion on the most available server (``split``: train or eval; reasoning
         is injected by the server unless ``skip_reasoning=True``)."""
         parts = await self._split_n(self.chat_completion, kwargs)
         if parts is not None:
-            return self._merge_choices(parts)
+            return merge_choices(parts)
         return await self._route("chat_completion", kwargs)
 
     async def completion(self, **kwargs: Any) -> Completion:
         """Text completion on the most available server."""
         parts = await self._split_n(self.completion, kwargs)
         if parts is not None:
-            return self._merge_choices(parts)
+            return merge_choices(parts)
         return await self._route("completion", kwargs)
 
     async def tokens_and_logprobs_completion(self, **kwargs: Any) -> tuple[list, list, list, list]:
@@ -322,14 +314,30 @@ class ServerManager:
         async with server.sem:
             yield server
 
-    def _select_for_session(self, base_url: str | None) -> Any:
+    def _select_for_session(self, base_url: str | None, session_id: str | None) -> Any:
+        """The pinned server (``base_url``) if it exists and is healthy, else a stable
+        choice among healthy servers for ``session_id``, else the most available one."""
         if base_url:
             wanted = base_url.rstrip("/")
             for server in self.servers:
                 url = getattr(getattr(server, "config", None), "base_url", None) or ""
                 if url.rstrip("/") == wanted:
-                    return server
-            logger.warning("No server with base_url %s; using the most available one", base_url)
+                    if getattr(server, "server_healthy", True):
+                        return server
+                    warnings.warn(
+                        f"Pinned server {base_url} is unhealthy; using the most available one",
+                        stacklevel=4,
+                    )
+                    break
+            else:
+                warnings.warn(
+                    f"No server with base_url {base_url}; using the most available one",
+                    stacklevel=4,
+                )
+        elif session_id is not None:
+            healthy = [s for s in self.servers if getattr(s, "server_healthy", True)]
+            if healthy:
+                return healthy[zlib.crc32(session_id.encode()) % len(healthy)]
         return self.servers[self._most_available_index(True)]
 
     @asynccontextmanager
@@ -338,9 +346,13 @@ class ServerManager:
         tokenizer: Any = None,
         base_url: str | None = None,
         preserve_think_blocks: bool = False,
+        session_id: str | None = None,
     ) -> AsyncIterator[Any]:
-        """A ``ManagedServer`` session on the most available server (or the one at
-        ``base_url``), reset on exit.
+        """A ``ManagedServer`` session, reset on exit.
+
+        The server is the one at ``base_url`` when given and healthy (a warning and the
+        most available server otherwise), or a stable pick for ``session_id`` (the same id
+        maps to the same server while the healthy set is unchanged), or the most available.
 
         Plain OpenAI endpoints give no token ids: this raises ``NotImplementedError`` unless
         ``ATROPOS_ALLOW_DUMMY_MANAGED_SERVER`` is 1/true/yes, which yields a
@@ -365,7 +377,7 @@ class ServerManager:
                 await session.cleanup()
             return
 
-        server = self._select_for_session(base_url)
+        server = self._select_for_session(base_url, session_id)
         if not getattr(server, "provides_token_logprobs", True):
             allow = os.environ.get("ATROPOS_ALLOW_DUMMY_MANAGED_SERVER", "").lower()
             if allow not in ("1", "true", "yes"):

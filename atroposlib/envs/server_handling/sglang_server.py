@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from atroposlib.envs.server_handling.openai_server import (  # noqa: F401 - re-exported
+    resolve_openai_configs,
+)
 from atroposlib.envs.server_handling.vllm_server import VLLMServer
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 from openai.types.chat.chat_completion import ChatCompletion, ChatCompletionMessage, Choice
@@ -26,6 +26,8 @@ from atroposlib.envs.server_handling.server_baseline import (
 class TrlVllmServer(APIServer):
     """A client for TRL's vLLM server. It has no health route, so it always counts as
     healthy; token-level calls are not available."""
+
+    provides_token_logprobs: ClassVar[bool] = False
 
     def __init__(
         self, config: APIServerConfig, reasoning_config: ReasoningConfig | None = None
@@ -106,4 +108,7 @@ class TrlVllmServer(APIServer):
     async def _tokens_and_logprobs_completion_wrapper(
         self, **kwargs: Any
     ) -> tuple[list, list, list, list]:
-        raise NotImplementedError("Not implemented for trl's vLLM server yet.")
+        raise NotImplementedError(
+            "Token-level logprobs are not supported by TRL's vLLM server client; "
+            "use VLLMServer or SGLangServer (server_type='vllm' or 'sglang')."
+        )

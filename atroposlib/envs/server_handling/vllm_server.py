@@ -12,7 +12,10 @@ from typing import Any, ClassVar
 import aiohttp
 from transformers import AutoTokenizer
 
-from atroposlib.envs.server_handling.openai_server import OpenAIServer
+from atroposlib.envs.server_handling.openai_server import (  # noqa: F401 - re-exported
+    OpenAIServer,
+    resolve_openai_configs,
+)
 from atroposlib.envs.server_handling.server_baseline import (
     APIServerConfig,
     ReasoningConfig,

@@ -137,3 +137,30 @@ async def test_wrong_number_of_choices_raises() -> None:
                 await server.completion(prompt="p", n=3)
         finally:
             await server.close()
+
+
+async def test_fan_out_works_on_a_bare_namespace() -> None:
+    """The wrapper needs only ``config`` and ``openai`` (upstream-style unbound use)."""
+    import types
+
+    calls: list[dict[str, Any]] = []
+
+    class Response:
+        def __init__(self) -> None:
+            self.choices = [object()]
+
+    async def create(**kwargs: Any) -> Response:
+        calls.append(kwargs)
+        return Response()
+
+    fake = types.SimpleNamespace(
+        config=types.SimpleNamespace(n_kwarg_is_ignored=True),
+        openai=types.SimpleNamespace(
+            chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
+        ),
+    )
+    out = await OpenAIServer._chat_completion_wrapper(fake, model="m", messages=MESSAGES, n=3)
+    assert len(out.choices) == 3 and len(calls) == 3
+    calls.clear()
+    out = await OpenAIServer._chat_completion_wrapper(fake, model="m", messages=MESSAGES, n=1)
+    assert len(out.choices) == 1 and len(calls) == 1

@@ -290,3 +290,17 @@ async def test_metric_buffers_are_bounded() -> None:
             "server/a_eval_retry_rate",
         }
         await server.close()
+
+
+async def test_exhausted_retries_raise_retry_error_after_three_attempts() -> None:
+    from tenacity import RetryError
+
+    app, calls = flaky_app(fail_first=10, status=503)
+    with serve_app(app) as url:
+        server = OpenAIServer(APIServerConfig(base_url=f"{url}/v1", health_check=False))
+        with pytest.raises(RetryError) as info:
+            await server.completion(prompt="p")
+        assert len(calls) == 3  # one budget of 3 attempts, not nested retries
+        assert "503" in str(info.value.last_attempt.exception())
+        assert not server.attempts_list  # failed requests are not timed
+        await server.close()

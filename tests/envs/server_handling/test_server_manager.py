@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from atroposlib.envs.server_handling.managed_server import DummyManagedServer, ManagedServer
-from atroposlib.envs.server_handling.openai_server import OpenAIServer
+from atroposlib.envs.server_handling.openai_server import (
+    OpenAIServer,
+    ServerConfigError,
+    resolve_openai_configs,
+)
 from atroposlib.envs.server_handling.server_baseline import (
     APIServerConfig,
     ServerBaseline,
@@ -26,6 +32,9 @@ from atroposlib.envs.server_handling.server_manager import ServerManager, Server
 from atroposlib.envs.server_handling.sglang_server import SGLangServer
 from atroposlib.envs.server_handling.trl_vllm_server import TrlVllmServer
 from atroposlib.envs.server_handling.vllm_server import VLLMServer
+from atroposlib.envs.server_handling.vllm_server import (
+    resolve_openai_configs as resolve_vllm_configs,
+)
 from tests.envs.server_handling.conftest import engine_requests
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -269,3 +278,67 @@ async def test_update_weight_reaches_every_semaphore() -> None:
     for server in manager.servers:
         assert server.sem.weight == server.eval_sem.weight == 0.3
         assert server.sem.min_val() == pytest.approx(7.0)
+
+
+@pytest.mark.filterwarnings("ignore:Using DummyManagedServer")
+async def test_pinned_but_unhealthy_server_falls_back(monkeypatch, tiny_tokenizer) -> None:
+    monkeypatch.setenv("ATROPOS_ALLOW_DUMMY_MANAGED_SERVER", "1")
+    configs = [
+        APIServerConfig(base_url=f"http://worker-{i}:8000/v1", health_check=False) for i in range(3)
+    ]
+    manager = ServerManager(configs)
+    manager.servers[0].server_healthy = False
+    manager.servers[1].sem._value = 2
+    with pytest.warns(UserWarning, match="unhealthy"):
+        async with manager.managed_server(base_url="http://worker-0:8000/v1") as managed:
+            assert managed.server is manager.servers[2]
+    with pytest.warns(UserWarning, match="No server with base_url"):
+        async with manager.managed_server(base_url="http://nowhere/v1") as managed:
+            assert managed.server is manager.servers[2]
+
+
+async def test_session_id_maps_to_a_stable_server(monkeypatch) -> None:
+    monkeypatch.setenv("ATROPOS_ALLOW_DUMMY_MANAGED_SERVER", "1")
+    configs = [
+        APIServerConfig(base_url=f"http://worker-{i}:8000/v1", health_check=False) for i in range(3)
+    ]
+    manager = ServerManager(configs)
+    picked = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            async with manager.managed_server(session_id="episode-42") as managed:
+                picked.add(managed.server.config.base_url)
+        spread = set()
+        for i in range(20):
+            async with manager.managed_server(session_id=f"episode-{i}") as managed:
+                spread.add(managed.server.config.base_url)
+    assert len(picked) == 1 and len(spread) > 1
+
+
+def test_resolve_openai_configs() -> None:
+    log = logging.getLogger("test")
+    single = APIServerConfig(base_url="http://127.0.0.1:9001/v1", api_key="x", model_name="m")
+    merged = {**single.model_dump(), "model_name": "cli-model"}
+    out = resolve_openai_configs(single, merged, {}, {"openai.model_name": "cli-model"}, log)
+    assert isinstance(out, list) and len(out) == 1
+    assert (out[0].base_url, out[0].model_name) == ("http://127.0.0.1:9001/v1", "cli-model")
+
+    baseline = ServerBaseline(model_name="m")
+    assert resolve_openai_configs(baseline, {}, {}, {}, log) is baseline
+    overridden = resolve_openai_configs(
+        baseline, {"base_url": "http://h/v1"}, {}, {"openai.base_url": "http://h/v1"}, log
+    )
+    assert overridden[0].base_url == "http://h/v1" and overridden[0].model_name == "m"
+
+    pair = [APIServerConfig(base_url=f"http://h{i}/v1") for i in range(2)]
+    assert resolve_openai_configs(pair, {}, {}, {}, log) == pair
+    yaml_pair = {"openai": [{"base_url": "http://y1/v1"}, {"base_url": "http://y2/v1"}]}
+    assert [c.base_url for c in resolve_openai_configs(single, {}, yaml_pair, {}, log)] == [
+        "http://y1/v1",
+        "http://y2/v1",
+    ]
+    with pytest.raises(ServerConfigError) as info:
+        resolve_openai_configs(pair, {}, {}, {"openai.base_url": "x"}, log)
+    assert info.value.exit_code == 2
+    assert resolve_vllm_configs is resolve_openai_configs
