@@ -138,11 +138,12 @@ class ToolCallTranslator:
         content = raw_text[: raw_text.find("<tool_call>")].strip()
         return calls, content or None
 
-    def reconstruct_raw_text_from_tool_calls(self, tool_calls: list[dict]) -> str:
+    def reconstruct_raw_text_from_tool_calls(self, tool_calls: list[Any]) -> str:
         """The raw text behind ``tool_calls``: exact when the calls came from this translator,
         else rebuilt in the hermes format."""
         if not tool_calls:
             return ""
+        tool_calls = [_as_dict(call) for call in tool_calls]
         first_id = tool_calls[0].get("id", "")
         if first_id in self.call_id_to_raw_text:
             return self.call_id_to_raw_text[first_id]
@@ -164,7 +165,7 @@ class ToolCallTranslator:
         converted = []
         for msg in messages:
             if msg.get("role") == "assistant" and msg.get("tool_calls"):
-                calls = msg["tool_calls"]
+                calls = [_as_dict(call) for call in msg["tool_calls"]]
                 exact = calls[0].get("id", "") in self.call_id_to_raw_text
                 raw = self.reconstruct_raw_text_from_tool_calls(calls)
                 if not exact and msg.get("content"):
@@ -177,3 +178,12 @@ class ToolCallTranslator:
     def decode_with_tool_awareness(self, token_ids: list[int], has_tools: bool = False) -> str:
         """Decode, keeping special tokens when tools are active (tool tags may be special)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=not has_tools)
+
+
+def _as_dict(tool_call: Any) -> dict[str, Any]:
+    """A tool call as a dict, whether given as one or as an OpenAI SDK object."""
+    if isinstance(tool_call, dict):
+        return tool_call
+    if hasattr(tool_call, "model_dump"):
+        return tool_call.model_dump()
+    return dict(tool_call)

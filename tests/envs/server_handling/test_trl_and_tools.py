@@ -147,7 +147,7 @@ async def test_managed_server_returns_tool_calls(tiny_tokenizer: Any) -> None:
         {
             "role": "assistant",
             "content": choice.message.content,
-            "tool_calls": [tc.model_dump() for tc in choice.message.tool_calls],
+            "tool_calls": choice.message.tool_calls,  # SDK objects are accepted as-is
         },
         {"role": "tool", "content": "9C"},
     ]
