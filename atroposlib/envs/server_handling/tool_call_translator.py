@@ -18,6 +18,11 @@ import uuid
 import warnings
 from typing import Any
 
+try:  # openai>=1.99 splits function and custom tool calls
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall as ToolCall
+except ImportError:  # older openai
+    from openai.types.chat import ChatCompletionMessageToolCall as ToolCall
+
 try:  # vLLM is optional: its parsers cover 30+ model formats.
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
@@ -69,13 +74,14 @@ class ToolCallTranslator:
         raw_text: str,
         tool_choice: str | None = None,
         tools: list[dict] | None = None,
-    ) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+    ) -> tuple[str | None, list[ToolCall] | None, str]:
         """Split raw model output into ``(content, tool_calls, finish_reason)``.
 
-        ``tool_calls`` are OpenAI dicts (``id``, ``type``, ``function.name``,
-        ``function.arguments`` as a JSON string) or None; ``finish_reason`` is
-        ``"tool_calls"`` when any were found, else ``"stop"``. Nothing is parsed when
-        ``tool_choice`` is ``"none"`` or no tools are defined.
+        ``tool_calls`` are OpenAI SDK tool calls (``.id``, ``.function.name``,
+        ``.function.arguments`` as a JSON string) or None; ``content`` is the text before
+        the calls (None when there is none); ``finish_reason`` is ``"tool_calls"`` when any
+        were found, else ``"stop"``. Nothing is parsed when ``tool_choice`` is ``"none"`` or
+        no tools are defined.
         """
         if tool_choice == "none" or not tools:
             return raw_text, None, "stop"
@@ -89,7 +95,7 @@ class ToolCallTranslator:
             return raw_text, None, "stop"
         for call in calls:
             self.call_id_to_raw_text[call["id"]] = raw_text
-        return content, calls, "tool_calls"
+        return content, [ToolCall.model_validate(call) for call in calls], "tool_calls"
 
     def _parse_with_vllm(
         self, raw_text: str, tool_choice: str | None, tools: list[dict]

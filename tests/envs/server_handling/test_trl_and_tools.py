@@ -97,7 +97,8 @@ def test_hermes_parsing_round_trip(tiny_tokenizer: Any) -> None:
     raw = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     content, calls, reason = translator.parse_model_output(raw, tool_choice="auto", tools=TOOLS)
     assert content == "Let me check." and reason == "tool_calls"
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == '{"city": "Paris"}'
     # Sent back by the client: the exact raw text is restored for the template.
     message = {"role": "assistant", "content": content, "tool_calls": calls}
     converted = translator.convert_messages_for_template(
@@ -160,3 +161,19 @@ async def test_managed_server_returns_tool_calls(tiny_tokenizer: Any) -> None:
     assert out2.choices[0].message.tool_calls is None
     (node2,) = managed.get_state()["nodes"]
     assert node2.masked_tokens[: len(node.tokens)] == node.masked_tokens
+
+
+def test_hermes_parsing_with_trailing_eos_and_no_content(tiny_tokenizer: Any) -> None:
+    translator = ToolCallTranslator(tiny_tokenizer, "hermes")
+    raw = (
+        '<tool_call>\n{"name": "navigate", "arguments": {"url": "https://example.com"}}\n'
+        "</tool_call><|im_end|>"
+    )
+    content, calls, reason = translator.parse_model_output(raw, "auto", TOOLS)
+    assert (content, reason) == (None, "tool_calls")
+    assert calls[0].function.name == "navigate"
+    assert json.loads(calls[0].function.arguments) == {"url": "https://example.com"}
+    plain = translator.parse_model_output("Plain answer", "auto", TOOLS)
+    assert plain == ("Plain answer", None, "stop")
+    broken = translator.parse_model_output("<tool_call>{not json</tool_call>", "auto", TOOLS)
+    assert broken[1] is None and broken[2] == "stop"
