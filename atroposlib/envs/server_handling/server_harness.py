@@ -130,13 +130,14 @@ class ServerHarness:
     def set_tokens_and_logprobs_response(
         self,
         prompt: str,
-        prompt_tokens: list[int],
+        prompt_tokens: list[int] | None,
         output_tokens_list: list[list[int]],
         output_logprobs_list: list[list[float]],
         finish_reasons: list[Any],
     ) -> None:
         """Answer ``tokens_and_logprobs_completion(prompt=prompt)`` with the given lists (one
-        entry per completion in the last three)."""
+        entry per completion in the last three). ``prompt_tokens=None`` echoes the request's
+        ``input_ids``, as a real backend does."""
         self.tokens_and_logprobs_map[prompt] = (
             prompt_tokens,
             output_tokens_list,
@@ -170,7 +171,10 @@ class ServerHarness:
         """The scripted ``(prompt_tokens, output_tokens, output_logprobs, finish_reasons)``
         for ``prompt``."""
         self.calls.append(("tokens_and_logprobs_completion", kwargs))
-        return self._lookup(self.tokens_and_logprobs_map, kwargs.get("prompt"))
+        prompt_tokens, *rest = self._lookup(self.tokens_and_logprobs_map, kwargs.get("prompt"))
+        if prompt_tokens is None:
+            prompt_tokens = list(kwargs.get("input_ids") or [])
+        return (prompt_tokens, *rest)
 
     async def get_logprobs(self, **kwargs: Any) -> dict[str, Any]:
         """The scripted prompt-logprob payload for ``prompt``."""

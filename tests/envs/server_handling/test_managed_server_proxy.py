@@ -126,3 +126,61 @@ async def test_server_manager_uses_proxy(proxy: tuple[str, str], monkeypatch) ->
         session = managed.session_uuid
     assert httpx.get(f"{url}/{session}/nodes").status_code == 404  # cleaned up
     await manager.close()
+
+
+def test_agentic_tool_conversation_stays_one_exact_node(tiny_tokenizer: Any) -> None:
+    """user -> tool call -> tool result -> text -> user -> tool call -> result -> text: one
+    node, token-exact, every assistant output trainable (scripted backend, real tokenizer)."""
+    from fastapi.testclient import TestClient
+
+    from atroposlib.envs.server_handling.server_harness import ServerHarness
+
+    tok = tiny_tokenizer
+    harness = ServerHarness(tokenizer=tok)
+    manager = ServerManager(APIServerConfig(), testing=True)
+    manager.servers = [harness]
+    client = TestClient(create_app(manager, tok, model_name="tiny"))
+    session = client.post("/sessions/create", json={}).json()["uuid"]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    outputs: list[list[int]] = []
+
+    def step(messages: list[dict[str, Any]], output: str) -> dict[str, Any]:
+        body = {"messages": messages, "tools": tools, "max_tokens": 50}
+        rendered = client.post(f"/{session}/v1/chat/completions/render", json=body).json()
+        ids = tok.encode(output, add_special_tokens=False) + [tok.eos_token_id]
+        outputs.append(ids)
+        harness.set_tokens_and_logprobs_response(
+            rendered["prompt_text"], None, [ids], [[-0.5] * len(ids)], ["stop"]
+        )
+        reply = client.post(f"/{session}/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        (node,) = client.get(f"/{session}/nodes").json()["nodes"]
+        assert node["tokens"] == rendered["token_ids"] + ids  # what was sent, then the output
+        return reply.json()["choices"][0]
+
+    call = '<tool_call>{"name": "search", "arguments": {"q": "cats"}}</tool_call>'
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Find cats"}]
+    first = step(messages, call)
+    assert first["finish_reason"] == "tool_calls"
+    tool_calls = first["message"]["tool_calls"]
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": "10 cats"},
+    ]
+    assert step(messages, "Here are 10 cats!")["message"]["content"] == "Here are 10 cats!"
+    messages += [
+        {"role": "assistant", "content": "Here are 10 cats!"},
+        {"role": "user", "content": "And dogs?"},
+    ]
+    second = step(messages, call.replace("cats", "dogs"))
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": second["message"]["tool_calls"]},
+        {"role": "tool", "tool_call_id": "x", "content": "5 dogs"},
+    ]
+    step(messages, "5 dogs too!")
+
+    (node,) = client.get(f"/{session}/nodes").json()["nodes"]
+    trained = [t for t in node["masked_tokens"] if t != -100]
+    assert trained == [t for ids in outputs for t in ids]
+    # No doubled EOS: the tokens spell the text (plus the final generated EOS) exactly.
+    assert tok.decode(node["tokens"]) == node["full_text"] + "<|im_end|>"
