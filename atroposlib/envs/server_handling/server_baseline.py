@@ -336,7 +336,8 @@ class APIServer(ABC):
             await asyncio.sleep(interval)
 
     async def _probe_health(self, chat_completion: bool = True) -> bool:
-        """One cheap health probe: ``GET /health``, else ``GET /v1/models``.
+        """One cheap health probe: ``GET /health``; when that route answers 4xx (absent, or
+        not public), ``GET /v1/models``.
 
         ``health_check_method="completion"`` sends a 1-token request instead (through
         ``_completion_probe``); no paid request is made otherwise.
@@ -353,8 +354,9 @@ class APIServer(ABC):
                 response = await client.get(f"{server_root(base)}/health")
                 if response.status_code < 400 or method == "health":
                     return response.status_code < 400
-                if response.status_code not in (404, 405):
+                if response.status_code >= 500:  # the server itself reports a problem
                     return False
+                # 4xx: no such route (or not for us); ask for the model list instead.
             models_url = f"{base}/models" if base.endswith("/v1") else f"{base}/v1/models"
             response = await client.get(models_url)
             return response.status_code < 400

@@ -304,3 +304,13 @@ async def test_exhausted_retries_raise_retry_error_after_three_attempts() -> Non
         assert "503" in str(info.value.last_attempt.exception())
         assert not server.attempts_list  # failed requests are not timed
         await server.close()
+
+
+@pytest.mark.parametrize(("status", "healthy", "models_hits"), [(401, True, 1), (503, False, 0)])
+async def test_health_status_handling(status: int, healthy: bool, models_hits: int) -> None:
+    app, hits = probe_app(status)
+    with serve_app(app) as url:
+        server = OpenAIServer(APIServerConfig(base_url=f"{url}/v1", model_name="m"))
+        assert await server._probe_health() is healthy
+        assert hits["models"] == models_hits and hits["chat"] == 0
+        await server.close()
