@@ -43,3 +43,17 @@ async def test_testing_mode_session_without_tokenizer() -> None:
         assert node.logprobs == [1.0, 1.0, -0.5, -0.25]
     metrics = await harness.wandb_metrics(None, "harness")
     assert metrics == {}
+
+
+def test_package_exports_main_names() -> None:
+    import atroposlib.envs.server_handling as package
+
+    for name in package.__all__:
+        assert getattr(package, name).__name__ == name
+    assert package.ServerManager is ServerManager
+    try:
+        package.NotAThing  # noqa: B018
+    except AttributeError:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("unknown names must raise AttributeError")
