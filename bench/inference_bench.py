@@ -35,7 +35,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, dtype: str) -> tuple[subprocess.Popen, str, object]:
+def start_server(
+    model: str, dtype: str, extra: list[str] | None = None
+) -> tuple[subprocess.Popen, str, object]:
     """Start atropos-serve on a free port and wait for /health."""
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="atropos-serve-", suffix=".log", delete=False)
@@ -52,6 +54,7 @@ def start_server(model: str, dtype: str) -> tuple[subprocess.Popen, str, object]
             dtype,
             "--log-level",
             "warning",
+            *(extra or []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -125,12 +128,18 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--compile", action="store_true", help="Start atropos-serve with --compile."
+    )
     args = parser.parse_args()
     proc = None
     url = args.url
     if url is None:
-        proc, url, log = start_server(args.model, args.dtype)
-        print(f"atropos-serve {args.model} ({args.dtype}) at {url}, log {log.name}")
+        extra = ["--compile"] if args.compile else []
+        proc, url, log = start_server(args.model, args.dtype, extra)
+        print(
+            f"atropos-serve {args.model} ({args.dtype}) {' '.join(extra)} at {url}, log {log.name}"
+        )
     try:
         print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         results = asyncio.run(bench(url, args.model, args.max_tokens))

@@ -224,3 +224,25 @@ async def test_dummy_managed_server() -> None:
     assert nodes[0].metadata["dummy_tokens"] and nodes[0].masked_tokens[0] == -100
     with pytest.raises(NotImplementedError):
         await dummy.get_logprobs(prompt="x")
+
+
+async def test_new_context_appends_instead_of_extending(tiny_tokenizer: Any) -> None:
+    tok = tiny_tokenizer
+    harness = ServerHarness(tokenizer=tok)
+    managed = ManagedServer(harness)
+    assert managed.tokenizer is tok
+    plain = [{"role": "user", "content": "Hi"}]
+    with_system = [{"role": "system", "content": "Be brief."}, *plain]
+    for messages in (plain, with_system, plain):
+        prompt = managed._convert_messages_to_prompt(messages)
+        harness.set_tokens_and_logprobs_response(prompt, None, [[42]], [[-0.3]], ["length"])
+        await managed.chat_completion(messages=messages)
+    nodes = managed.get_state()["nodes"]
+    # The system-prompt conversation is a new context; repeating the first prompt extends
+    # nothing either (its text is not a continuation of a node), so it is a third node.
+    assert len(nodes) == 3
+    assert "Be brief." in nodes[1].full_text and "Be brief." not in nodes[0].full_text
+    assert all(n.masked_tokens[-1] == 42 and n.logprobs[-1] == -0.3 for n in nodes)
+    assert harness.calls[1][1]["input_ids"] == tok.encode(
+        managed._convert_messages_to_prompt(with_system)
+    )
