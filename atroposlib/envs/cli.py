@@ -1,0 +1,452 @@
+"""The environment command line: ``python env.py serve|process|evaluate``.
+
+Every setting is a flag generated from the config models, with its description and default in
+``--help``:
+
+* ``--env.<field>``: the env's config class (``BaseEnvConfig`` or the subclass ``config_init``
+  returns);
+* ``--openai.<field>``: ``APIServerConfig`` (one inference server; several go in YAML as a
+  list under ``openai:``);
+* ``--slurm``, ``--testing``, ``--max_n_completions``, ``--proxy_url``: ``ServerManagerConfig``;
+* ``--config file.yaml``: ``env: {...}``, ``openai: {...} | [{...}, ...]`` and the server
+  manager keys at the top level.
+
+Precedence: command line > YAML > ``config_init()`` (> the mode's base overrides for
+``process`` / ``evaluate``). Unknown flags and unknown YAML keys are errors naming them (with
+a suggestion); values are validated by the pydantic models and a bad one is reported with the
+flag or YAML key it came from. Errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import json
+import logging
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from atroposlib.envs.constants import ENV_NAMESPACE, NAMESPACE_SEP, OPENAI_NAMESPACE
+from atroposlib.envs.server_handling.openai_server import (
+    ServerConfigError,
+    resolve_openai_configs,
+)
+from atroposlib.envs.server_handling.server_baseline import APIServerConfig, ServerBaseline
+from atroposlib.envs.server_handling.server_manager import ServerManagerConfig
+from atroposlib.utils.cli import merge_dicts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CliError", "ResolvedConfig", "build_parser", "resolve_config", "run_cli"]
+
+COMMANDS = {
+    "serve": "Run the env against a trajectory API (run-api) and a trainer.",
+    "process": "Roll out groups offline (no API, no trainer) into JSONL + HTML.",
+    "evaluate": "Run the env's evaluate() once and write metrics.json / samples.jsonl.",
+}
+ENV_PREFIX = f"{ENV_NAMESPACE}{NAMESPACE_SEP}"
+OPENAI_PREFIX = f"{OPENAI_NAMESPACE}{NAMESPACE_SEP}"
+MANAGER_KEYS = tuple(ServerManagerConfig.model_fields)
+
+
+class CliError(Exception):
+    """A command-line or config-file problem; reported as ``error: <message>``."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+@dataclass
+class ResolvedConfig:
+    """Everything a subcommand runs with, after merging defaults, YAML and flags."""
+
+    command: str
+    env_config: BaseModel
+    server_configs: ServerBaseline | list[APIServerConfig]
+    manager_config: ServerManagerConfig
+    yaml_config: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def _is_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args == [bool]
+    return False
+
+
+def _fmt_default(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    if hasattr(value, "value") and not isinstance(value, (str, int, float)):
+        value = value.value
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _add_model_flags(
+    group: argparse._ArgumentGroup,
+    model_cls: type[BaseModel],
+    prefix: str,
+    defaults: Mapping[str, Any],
+) -> None:
+    for name, field in model_cls.model_fields.items():
+        default = defaults.get(name, field.default)
+        desc = field.description or ""
+        help_text = f"{desc} (default: {_fmt_default(default)})".strip().replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": f"{prefix}{name}", "default": argparse.SUPPRESS}
+        if _is_bool(field.annotation):
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            kwargs["metavar"] = name.upper()
+        group.add_argument(f"--{prefix}{name}", help=help_text, **kwargs)
+
+
+def _default_openai(default_servers: Any) -> tuple[type[BaseModel], dict[str, Any]]:
+    """The model class and defaults shown for ``--openai.*``."""
+    if isinstance(default_servers, list) and default_servers:
+        first = default_servers[0]
+        if isinstance(first, APIServerConfig):
+            return type(first), first.model_dump() if len(default_servers) == 1 else {}
+    if isinstance(default_servers, APIServerConfig):
+        return type(default_servers), default_servers.model_dump()
+    if isinstance(default_servers, ServerBaseline):
+        return APIServerConfig, default_servers.model_dump()
+    return APIServerConfig, {}
+
+
+def _mode_env_defaults(env_cls: type, command: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The env defaults of ``command``: ``config_init``'s, with the mode's base overrides."""
+    out = dict(base)
+    if out.get("wandb_name") is None:
+        out["wandb_name"] = env_cls.name or env_cls.__name__
+    if command == "process":
+        out["ensure_scores_are_not_same"] = False
+        out["include_messages"] = True
+        if out.get("data_path_to_save_groups") is None:
+            out["data_path_to_save_groups"] = f"data/{env_cls.name or 'groups'}.jsonl"
+        out["use_wandb"] = True
+    elif command == "evaluate":
+        out["use_wandb"] = True
+    return out
+
+
+def build_parser(env_cls: type, defaults: tuple[Any, Any] | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of ``env_cls.cli()`` (subcommands ``serve``, ``process``,
+    ``evaluate``); every flag's help shows its description and default."""
+    default_env, default_servers = defaults or env_cls.config_init()
+    parser = argparse.ArgumentParser(
+        prog=Path(sys.argv[0]).name if sys.argv and sys.argv[0] else env_cls.__name__,
+        description=f"CLI for {env_cls.__name__}. Precedence: flags > --config YAML > "
+        "config_init() defaults.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve,process,evaluate}")
+    openai_cls, openai_defaults = _default_openai(default_servers)
+    for command, help_text in COMMANDS.items():
+        cmd = sub.add_parser(
+            command,
+            help=help_text,
+            description=help_text,
+            usage="%(prog)s [--config FILE.yaml] [--env.FIELD VALUE ...] "
+            "[--openai.FIELD VALUE ...] [--slurm] [--testing]",
+        )
+        cmd.add_argument(
+            "--config",
+            default=argparse.SUPPRESS,
+            metavar="FILE.yaml",
+            help="Path to .yaml config file (env:, openai:, slurm:, testing:). CLI args "
+            "override this.",
+        )
+        env_defaults = _mode_env_defaults(env_cls, command, default_env.model_dump())
+        _add_model_flags(
+            cmd.add_argument_group("environment (--env.*)"),
+            type(default_env),
+            ENV_PREFIX,
+            env_defaults,
+        )
+        _add_model_flags(
+            cmd.add_argument_group("inference server (--openai.*)"),
+            openai_cls,
+            OPENAI_PREFIX,
+            openai_defaults,
+        )
+        _add_model_flags(cmd.add_argument_group("server manager"), ServerManagerConfig, "", {})
+    return parser
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def _coerce(value: Any) -> Any:
+    """A flag's string as pydantic should see it: ``None`` -> None, JSON lists/dicts parsed."""
+    if not isinstance(value, str):
+        return value
+    if value == "None":
+        return None
+    stripped = value.strip()
+    if stripped[:1] in "[{":
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise CliError(f"--config: no such file: {path}")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise CliError(f"--config {path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CliError(
+            f"--config {path}: the top level must be a mapping, got {type(data).__name__}"
+        )
+    return data
+
+
+def _check_yaml_keys(
+    data: Mapping[str, Any], path: str, env_model: type[BaseModel], openai_model: type[BaseModel]
+) -> None:
+    top = (ENV_NAMESPACE, OPENAI_NAMESPACE, *MANAGER_KEYS)
+    for key in data:
+        if key not in top:
+            logger.warning(
+                "%s: ignoring unknown top-level key %r%s", path, key, _suggest(str(key), top)
+            )
+    env_section = data.get(ENV_NAMESPACE) or {}
+    if not isinstance(env_section, dict):
+        raise CliError(f"{path}: '{ENV_NAMESPACE}' must be a mapping")
+    for key in env_section:
+        if key not in env_model.model_fields:
+            raise CliError(
+                f"{path}: unknown key '{ENV_NAMESPACE}.{key}'"
+                f"{_suggest(str(key), list(env_model.model_fields))}"
+            )
+    servers = data.get(OPENAI_NAMESPACE) or {}
+    sections = servers if isinstance(servers, list) else [servers]
+    for i, section in enumerate(sections):
+        where = f"{OPENAI_NAMESPACE}[{i}]" if isinstance(servers, list) else OPENAI_NAMESPACE
+        if not isinstance(section, dict):
+            raise CliError(f"{path}: '{where}' must be a mapping")
+        for key in section:
+            if key not in openai_model.model_fields:
+                raise CliError(
+                    f"{path}: unknown key '{where}.{key}'"
+                    f"{_suggest(str(key), list(openai_model.model_fields))}"
+                )
+
+
+def _validation_message(
+    exc: ValidationError,
+    prefix: str,
+    cli: Mapping[str, Any],
+    yaml_section: Mapping[str, Any],
+    yaml_path: str | None,
+) -> str:
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        if f"{prefix}{field}" in cli:
+            source = f"--{prefix}{field} {cli[f'{prefix}{field}']!r}"
+        elif field in yaml_section:
+            source = f"{prefix}{field} in {yaml_path}"
+        else:
+            source = f"{prefix}{field} (default)"
+        lines.append(f"{source}: {err['msg']}")
+    return "; ".join(lines)
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
+    """Parse ``argv`` (without the program name) into the configs a subcommand runs with.
+
+    Raises:
+        CliError: Unknown flags, unreadable YAML, unknown YAML keys, invalid values.
+        SystemExit: ``--help`` (code 0) or an argparse usage error (code 2).
+    """
+    default_env, default_servers = env_cls.config_init()
+    parser = build_parser(env_cls, (default_env, default_servers))
+    args, unknown = parser.parse_known_args(list(argv))
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        raise CliError("choose a command: serve, process or evaluate")
+    if unknown:
+        sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+        known = [opt for action in sub._actions for opt in action.option_strings]
+        bad = unknown[0]
+        flag = bad.split("=", 1)[0]
+        if flag.startswith("-"):
+            raise CliError(f"unknown flag {flag}{_suggest(flag, known)}")
+        raise CliError(f"unexpected argument {bad!r}")
+    flags = {k: _coerce(v) for k, v in vars(args).items() if k not in ("command", "config")}
+    yaml_path = getattr(args, "config", None)
+    yaml_config = _load_yaml(yaml_path) if yaml_path else {}
+    openai_cls, openai_defaults = _default_openai(default_servers)
+    _check_yaml_keys(yaml_config, yaml_path or "", type(default_env), openai_cls)
+
+    # env: config_init (+ mode overrides) < YAML < CLI
+    cli_env = {k[len(ENV_PREFIX) :]: v for k, v in flags.items() if k.startswith(ENV_PREFIX)}
+    yaml_env = yaml_config.get(ENV_NAMESPACE) or {}
+    env_dict = merge_dicts(
+        _mode_env_defaults(env_cls, args.command, default_env.model_dump()), yaml_env, cli_env
+    )
+    try:
+        env_config = type(default_env).model_validate(env_dict)
+    except ValidationError as exc:
+        raise CliError(_validation_message(exc, ENV_PREFIX, flags, yaml_env, yaml_path)) from None
+
+    # openai: config_init < YAML < CLI, then upstream's single/multi-server resolution
+    cli_openai = {k: v for k, v in flags.items() if k.startswith(OPENAI_PREFIX)}
+    yaml_openai = yaml_config.get(OPENAI_NAMESPACE) or {}
+    single_yaml = (
+        yaml_openai[0] if isinstance(yaml_openai, list) and len(yaml_openai) == 1 else yaml_openai
+    )
+    openai_dict = merge_dicts(
+        openai_defaults,
+        single_yaml if isinstance(single_yaml, dict) else {},
+        {k[len(OPENAI_PREFIX) :]: v for k, v in cli_openai.items()},
+    )
+    try:
+        server_configs = resolve_openai_configs(
+            default_server_configs=default_servers,
+            openai_config_dict=openai_dict,
+            yaml_config=yaml_config,
+            cli_passed_flags=cli_openai,
+            logger=logger,
+        )
+    except ServerConfigError as exc:
+        raise CliError(exc.message, exit_code=exc.exit_code) from None
+
+    # server manager: defaults < YAML top level < CLI
+    manager_dict = merge_dicts(
+        ServerManagerConfig().model_dump(),
+        {k: yaml_config[k] for k in MANAGER_KEYS if k in yaml_config},
+        {k: flags[k] for k in MANAGER_KEYS if k in flags},
+    )
+    try:
+        manager_config = ServerManagerConfig.model_validate(manager_dict)
+    except ValidationError as exc:
+        raise CliError(_validation_message(exc, "", flags, yaml_config, yaml_path)) from None
+    return ResolvedConfig(args.command, env_config, server_configs, manager_config, yaml_config)
+
+
+def _dump_evaluate_config(resolved: ResolvedConfig, directory: str) -> Path:
+    servers = resolved.server_configs
+    if isinstance(servers, list):
+        openai: Any = [s.model_dump(mode="json") for s in servers]
+    elif isinstance(servers, APIServerConfig):
+        openai = servers.model_dump(mode="json")
+    else:
+        openai = {}
+    data = {
+        ENV_NAMESPACE: resolved.env_config.model_dump(mode="json"),
+        OPENAI_NAMESPACE: openai,
+        "slurm": resolved.manager_config.slurm,
+        "testing": resolved.manager_config.testing,
+    }
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "evaluate_config.yaml"
+    path.write_text(yaml.safe_dump(data, default_flow_style=False, sort_keys=False))
+    return path
+
+
+def _warn_local(servers: Any, command: str) -> None:
+    configs = servers if isinstance(servers, list) else [servers]
+    for cfg in configs:
+        url = getattr(cfg, "base_url", None) or ""
+        if any(h in url for h in ("localhost", "0.0.0.0", "127.0.0.1")):
+            logger.warning(
+                "Using a local base_url (%s) in '%s' mode: make sure a server is running there.",
+                url,
+                command,
+            )
+            return
+
+
+def build_env(env_cls: type, resolved: ResolvedConfig) -> Any:
+    """Construct the env from ``resolved`` (ServerManager options passed through)."""
+    from atroposlib.envs.base import _SERVER_MANAGER_OPTIONS
+
+    token = _SERVER_MANAGER_OPTIONS.set(
+        {
+            "max_n_completions": resolved.manager_config.max_n_completions,
+            "proxy_url": resolved.manager_config.proxy_url,
+        }
+    )
+    try:
+        return env_cls(
+            config=resolved.env_config,
+            server_configs=resolved.server_configs,
+            slurm=resolved.manager_config.slurm,
+            testing=resolved.manager_config.testing,
+        )
+    finally:
+        _SERVER_MANAGER_OPTIONS.reset(token)
+
+
+def run_cli(env_cls: type, argv: Sequence[str] | None = None) -> int:
+    """Run ``env_cls``'s command line; the process exit code (0 success, 2 usage error,
+    1 failure, 130 interrupted)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        resolved = resolve_config(env_cls, argv)
+    except CliError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.print(resolved.env_config)
+    console.print(resolved.server_configs)
+    if resolved.command != "serve":
+        _warn_local(resolved.server_configs, resolved.command)
+    if resolved.command == "evaluate" and resolved.env_config.data_dir_to_save_evals:
+        path = _dump_evaluate_config(resolved, resolved.env_config.data_dir_to_save_evals)
+        logger.info("Dumped evaluate config to %s", path)
+    env = build_env(env_cls, resolved)
+    if resolved.command == "serve":
+        coro = env.env_manager()
+    elif resolved.command == "process":
+        env.n_groups_to_process = resolved.env_config.total_steps
+        env.group_size_to_process = resolved.env_config.group_size
+        coro = env.process_manager()
+    else:
+        coro = env._run_evaluate()
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
