@@ -1,0 +1,74 @@
+"""math answer extraction and math-verify checking on hand-written answers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from atroposlib.scoring import math as m
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{18}.", "18"),
+        ("\\boxed{\\frac{1}{2}} then \\boxed{7}", "7"),
+        ("nested \\boxed{\\frac{a}{b^{2}}}", "\\frac{a}{b^{2}}"),
+        ("truncated \\boxed{12", None),
+        ("no box at all", None),
+    ],
+)
+def test_extract_boxed(text: str, expected: str | None) -> None:
+    assert m.extract_boxed(text) == expected
+
+
+def test_gsm8k_gold_answer_and_missing_marker() -> None:
+    assert m.gsm8k_gold_answer("She makes 9 * 2 = $18.\n#### 1,018") == "1018"
+    with pytest.raises(ValueError, match="####"):
+        m.gsm8k_gold_answer("no marker here")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<think>maybe 3</think> The answer is 1,234.", "1234"),
+        ("work... #### 72", "72"),
+        ("I computed 5 then 7.50", "7.5"),
+        ("\\boxed{42} and later 5", "42"),
+        ("nothing numeric", None),
+    ],
+)
+def test_extract_final_answer(text: str, expected: str | None) -> None:
+    assert m.extract_final_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "correct"),
+    [
+        ("<think>16-3-4=9, 9*2</think>She makes \\boxed{18} dollars.", "18", True),
+        ("The answer is \\boxed{18.0}", "18", True),
+        ("\\boxed{\\frac{1}{2}}", "0.5", True),
+        ("\\boxed{17}", "18", False),
+        # upstream requires LaTeX/boxed: a bare number in prose earns nothing
+        ("The answer is 18", "18", False),
+        # only the text after </think> counts
+        ("<think>\\boxed{18}</think> I am not sure.", "18", False),
+        ("", "18", False),
+        ("\\boxed{", "18", False),
+    ],
+)
+def test_is_correct(response: str, gold: str, correct: bool) -> None:
+    assert m.is_correct(response, gold) is correct
+
+
+def test_lenient_mode_accepts_plain_numbers() -> None:
+    assert m.is_correct("The answer is 18", "18", require_boxed_or_latex=False)
+
+
+def test_verification_works_off_the_main_thread() -> None:
+    out: list[bool] = []
+    thread = threading.Thread(target=lambda: out.append(m.is_correct("\\boxed{4}", "4")))
+    thread.start()
+    thread.join(30)
+    assert out == [True]
