@@ -150,7 +150,6 @@ def parse_response(response: str, *, require_boxed_or_latex: bool = True) -> lis
                 nits=False,
                 malformed_operators=False,
                 basic_latex=True,
-                equations=True,
                 boxed="all",
                 units=True,
             ),

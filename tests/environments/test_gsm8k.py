@@ -1,0 +1,170 @@
+"""GSM8K: scoring of hand-written answers, local data, and one ``process`` run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atroposlib.envs.base import APIServerConfig
+from environments.gsm8k_server import GSM8kEnv, Sample, load_rows
+from tests.conftest import REPO, SHARED_DATA
+
+GSM8K = SHARED_DATA / "gsm8k"
+
+
+def make_env(env_cls, tokenizer_dir: Path, **overrides):
+    """An env built the way the CLI builds it, talking to nothing (unit tests of scoring)."""
+    config, _ = env_cls.config_init()
+    config = config.model_copy(
+        update={"tokenizer_name": str(tokenizer_dir), "use_wandb": False, **overrides}
+    )
+    server = APIServerConfig(
+        model_name="tiny", base_url="http://127.0.0.1:9/v1", tokenizer_name=str(tokenizer_dir)
+    )
+    return env_cls(config, [server], testing=True)
+
+
+def fake_sample(text: str, n_tokens: int = 20) -> Sample:
+    """A completion as the env sees it (token ids are placeholders; only counts matter)."""
+    return Sample(
+        text=text,
+        finish_reason="stop",
+        tokens=list(range(5 + n_tokens)),
+        masks=[-100] * 5 + list(range(n_tokens)),
+        logprobs=[1.0] * 5 + [-0.5] * n_tokens,
+        messages=[{"role": "assistant", "content": text}],
+    )
+
+
+def run_process(script: str, out: Path, serve, tokenizer_dir: Path, *extra: str) -> list[dict]:
+    """``python environments/<script> process ...`` against ``serve``; the groups it wrote."""
+    data = out / "groups.jsonl"
+    cmd = [
+        sys.executable,
+        str(REPO / "environments" / script),
+        "process",
+        "--env.use_wandb",
+        "false",
+        "--env.data_path_to_save_groups",
+        str(data),
+        "--env.tokenizer_name",
+        str(tokenizer_dir),
+        "--openai.base_url",
+        serve.url + "/v1",
+        "--openai.model_name",
+        "tiny",
+        "--openai.tokenizer_name",
+        str(tokenizer_dir),
+        *extra,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    groups = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    assert groups, proc.stderr[-3000:]
+    return groups
+
+
+def assert_valid_groups(groups: list[dict], group_size: int) -> None:
+    """Each group: tokens/masks/scores of matching lengths, masks are labels (-100 or the id)."""
+    for group in groups:
+        n = len(group["tokens"])
+        expected = (group.get("group_overrides") or {}).get("group_size", group_size)
+        assert n == expected
+        assert len(group["masks"]) == n and len(group["scores"]) == n
+        for tokens, masks in zip(group["tokens"], group["masks"], strict=True):
+            assert len(tokens) == len(masks) > 0
+            assert any(m != -100 for m in masks)
+            assert all(m in (-100, t) for t, m in zip(tokens, masks, strict=True))
+        if group.get("inference_logprobs"):
+            assert [len(x) for x in group["inference_logprobs"]] == [
+                len(t) for t in group["tokens"]
+            ]
+        assert all(isinstance(s, float) for s in group["scores"])
+
+
+@pytest.fixture()
+def gsm8k_env(tiny_model_dir: Path):
+    return make_env(GSM8kEnv, tiny_model_dir, group_size=4, max_token_length=100)
+
+
+def test_scores_correct_wrong_and_malformed_answers(gsm8k_env) -> None:
+    samples = [
+        fake_sample("<think>16-3-4=9; 9*2=18</think> She makes \\boxed{18} dollars."),
+        fake_sample("The answer is \\boxed{17}."),
+        fake_sample("The answer is 18."),  # no box: upstream gives no credit
+        fake_sample("\\boxed{18"),  # truncated
+    ]
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [1.0, -1.0, -1.0, -1.0]
+    assert len(group["tokens"]) == len(group["masks"]) == len(group["inference_logprobs"]) == 4
+
+
+def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
+    samples = [fake_sample("\\boxed{18}", n) for n in (10, 60, 80, 95)]
+    group = gsm8k_env.score_samples(samples, "18")
+    lengths = [len(t) for t in group["tokens"]]  # 15, 65, 85, 100 with max 100
+    assert lengths == [15, 65, 85, 100]
+    assert group["scores"] == pytest.approx([1.0, 0.7, 0.3, 0.0])
+
+
+def test_short_completions_are_dropped_and_equal_groups_follow_the_flag(gsm8k_env) -> None:
+    samples = [fake_sample("\\boxed{1}", 3), fake_sample("\\boxed{2}"), fake_sample("\\boxed{3}")]
+    gsm8k_env.config.ensure_scores_are_not_same = False
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [-1.0, -1.0]
+    assert group["group_overrides"] == {"group_size": 2}
+    gsm8k_env.config.ensure_scores_are_not_same = True
+    assert gsm8k_env.score_samples(samples, "18") is None
+
+
+def test_unparseable_gold_gives_no_group(gsm8k_env) -> None:
+    assert gsm8k_env.score_samples([fake_sample("\\boxed{1}")], "") is None
+
+
+def test_local_jsonl_errors_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="dataset_path"):
+        load_rows(tmp_path / "missing.jsonl", "train")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2"):
+        load_rows(bad, "train")
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
+async def test_setup_reads_the_local_copy(gsm8k_env) -> None:
+    gsm8k_env.config.dataset_path = str(GSM8K)
+    gsm8k_env.config.max_eval_items = 50
+    await gsm8k_env.setup()
+    assert len(gsm8k_env.train) == len(load_rows(GSM8K, "train"))
+    assert len(gsm8k_env.test) == 50
+    assert gsm8k_env.test[0]["gold_answer"] == "18"  # Janet's ducks
+    item = await gsm8k_env.get_next_item()
+    assert set(item) >= {"question", "answer"}
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
+def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
+    groups = run_process(
+        "gsm8k_server.py",
+        tmp_path,
+        tiny_serve,
+        tiny_model_dir,
+        "--env.dataset_path",
+        str(GSM8K),
+        "--env.total_steps",
+        "2",
+        "--env.group_size",
+        "3",
+        "--env.max_token_length",
+        "48",
+    )
+    assert len(groups) == 2
+    assert_valid_groups(groups, 3)
+    assert all(s in (-1.0, 1.0) for g in groups for s in g["scores"])
+    assert groups[0]["messages"][0][0]["role"] == "system"
