@@ -1,0 +1,114 @@
+"""Checkpoints: ``save_path/step_N`` folders that inference servers load and the trainer resumes.
+
+A folder always holds the model (safetensors) and tokenizer as written by ``save_pretrained``,
+so vLLM and ``atropos-serve`` load it directly. A resumable checkpoint also holds
+``trainer_state.pt``: optimizer and scheduler state, the step, and the RNG state. Folders are
+written under a temporary name and renamed, so a crash never leaves a half-written ``step_N``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(save_path: Path, step: int) -> Path:
+    """``save_path/step_{step}``."""
+    return save_path / f"step_{step}"
+
+
+def save_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    step: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` + ``tokenizer`` (and trainer state when ``optimizer`` is given) to ``path``.
+
+    An existing folder at ``path`` is replaced. Returns ``path``.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{time.monotonic_ns()}")
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(
+                {
+                    "step": step,
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "rng": torch.get_rng_state(),
+                    "config": config,
+                },
+                tmp / TRAINER_STATE,
+            )
+        (tmp / "atropos_step.json").write_text(json.dumps({"step": step}))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state saved in checkpoint ``path``; a clear error if it has none."""
+    state_file = Path(path) / TRAINER_STATE
+    if not state_file.is_file():
+        raise FileNotFoundError(
+            f"--resume {path}: no {TRAINER_STATE} there (only checkpoints written with "
+            "trainer state can be resumed; see --checkpoint-interval)"
+        )
+    return torch.load(state_file, map_location="cpu", weights_only=False)
+
+
+def list_checkpoints(save_path: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step_N`` folder under ``save_path``, oldest first."""
+    if not save_path.is_dir():
+        return []
+    found = []
+    for child in save_path.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_resumable(save_path: Path) -> Path | None:
+    """The newest ``step_N`` under ``save_path`` that has trainer state, if any."""
+    for _, folder in reversed(list_checkpoints(save_path)):
+        if (folder / TRAINER_STATE).is_file():
+            return folder
+    return None
+
+
+def prune_checkpoints(save_path: Path, keep: int, protect: set[Path] | None = None) -> None:
+    """Delete the oldest ``step_N`` folders beyond ``keep``, except those in ``protect``.
+
+    The newest resumable checkpoint is always kept, so pruning never removes the only
+    checkpoint a run could resume from.
+    """
+    protect = {p.resolve() for p in (protect or set())}
+    newest_resumable = latest_resumable(save_path)
+    if newest_resumable is not None:
+        protect.add(newest_resumable.resolve())
+    checkpoints = list_checkpoints(save_path)
+    for _, folder in checkpoints[: max(0, len(checkpoints) - keep)]:
+        if folder.resolve() not in protect:
+            shutil.rmtree(folder, ignore_errors=True)

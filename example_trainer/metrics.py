@@ -1,0 +1,78 @@
+"""Where training metrics go: a rich progress line, ``metrics.jsonl`` and (optionally) W&B."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class TrainingLogger:
+    """Logs one dict of metrics per step to the console, ``metrics.jsonl`` and W&B.
+
+    Args:
+        total_steps: steps of the whole run (for the progress bar).
+        start_step: the step a resumed run starts from.
+        metrics_path: JSON-lines file, one object per step (appended).
+        progress: live progress bar; otherwise one plain line per step.
+        wandb_run: an initialised ``wandb`` run, or None.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        metrics_path: Path,
+        *,
+        progress: bool = True,
+        wandb_run: Any | None = None,
+    ) -> None:
+        self.console = Console(stderr=True)
+        self.metrics_path = metrics_path
+        self.wandb_run = wandb_run
+        self._progress = None
+        if progress and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]GRPO"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(
+                "waiting for the first batch", total=total_steps, completed=start_step
+            )
+            self._progress.start()
+
+    def status(self, message: str) -> None:
+        """A short note (e.g. 'waiting for a batch') in the progress line."""
+        if self._progress is not None:
+            self._progress.update(self._task, description=message)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record the metrics of ``step``."""
+        record = {"step": step, "time": time.time(), **metrics}
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        line = (
+            f"step {step}  loss {metrics['loss']:+.4f}  reward {metrics['reward_mean']:+.3f}  "
+            f"{metrics['tokens_per_s']:.0f} tok/s  sync {metrics['sync_seconds']:.2f} s"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=line)
+        else:
+            self.console.print(line, highlight=False)
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        """Stop the live display and finish the W&B run."""
+        if self._progress is not None:
+            self._progress.stop()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
