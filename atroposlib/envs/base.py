@@ -58,6 +58,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 from typing_extensions import TypedDict
 
 from atroposlib.envs import throttle
@@ -68,6 +69,7 @@ from atroposlib.envs.sending import (
     JsonlWriter,
     RolloutApiClient,
     UnknownEnvError,
+    encode_json_body,
 )
 from atroposlib.envs.server_handling.server_baseline import (
     APIServer,
@@ -183,8 +185,9 @@ class BaseEnv(ABC):
         self.last_loop_time: float | None = None
         self.last_completed_item: Item = None
         options = _SERVER_MANAGER_OPTIONS.get() or {}
+        self.tokenizer = self._load_tokenizer(config.tokenizer_name)
         self.server = ServerManager(
-            server_configs,
+            self._with_server_tokenizers(server_configs),
             slurm=slurm,
             testing=testing,
             server_class=self.server_cls,
@@ -205,7 +208,6 @@ class BaseEnv(ABC):
         self.wandb_group: str | None = None
         self.curr_step = 0
         self.max_token_len = -1
-        self.tokenizer = self._load_tokenizer(config.tokenizer_name)
         self.completion_lengths: list[int] = []
         self.max_num_workers = self._resolve_max_workers()
         self.wandb_prepend: str | None = None
@@ -244,15 +246,38 @@ class BaseEnv(ABC):
     # ------------------------------------------------------------------ construction helpers
 
     @staticmethod
-    def _load_tokenizer(name: str) -> Any:
-        from transformers import AutoTokenizer
-
+    def _resolve_tokenizer_name(name: str) -> str:
         if name == SMOLLM2_ALIAS:
             # the model atropos-serve ships with: its local tokenizer, no Hub access needed
             from atroposlib.inference.models import smollm2_tokenizer_dir
 
-            name = str(smollm2_tokenizer_dir())
-        return AutoTokenizer.from_pretrained(name)
+            return str(smollm2_tokenizer_dir())
+        return name
+
+    def _load_tokenizer(self, name: str) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self._resolve_tokenizer_name(name))
+
+    def _with_server_tokenizers(self, server_configs: Any) -> Any:
+        """Token-level servers (vllm, sglang, trl) with ``tokenizer_name`` "none" use the
+        env's tokenizer instead of loading one named after ``model_name`` (often a served
+        alias such as "tiny" that is no tokenizer at all)."""
+        env_tokenizer = self._resolve_tokenizer_name(self.config.tokenizer_name)
+
+        def fix(cfg: Any) -> Any:
+            if not isinstance(cfg, ServerBaseline) or cfg.server_type == "openai":
+                return cfg
+            name = cfg.tokenizer_name
+            if name == "none":
+                return cfg.model_copy(update={"tokenizer_name": env_tokenizer})
+            if name == SMOLLM2_ALIAS:
+                return cfg.model_copy(update={"tokenizer_name": self._resolve_tokenizer_name(name)})
+            return cfg
+
+        if isinstance(server_configs, list):
+            return [fix(c) for c in server_configs]
+        return fix(server_configs)
 
     def _resolve_max_workers(self) -> int:
         if self.config.max_num_workers == -1:
@@ -700,7 +725,7 @@ class BaseEnv(ABC):
             )
             logger.info("Disconnected env %s from the API", self.env_id)
         except Exception as exc:  # noqa: BLE001 - leaving anyway
-            logger.warning("Could not disconnect from the API: %s", exc)
+            logger.warning("Could not disconnect from the API: %r", exc)
 
     # ------------------------------------------------------------------ API: sending
 
@@ -834,29 +859,37 @@ class BaseEnv(ABC):
                 entry = self._send_pending.pop(0)
                 take.append(entry)
                 n += len(entry[0])
-            groups = [g for gs, _ in take for g in gs]
-            try:
-                await self._post_groups(groups)
-            except ApiRefused as exc:
-                if len(take) == 1:
-                    _settle(take[0][1], exc)
-                    continue
-                # one bad submission must not sink the others: send them one by one
-                for gs, fut in take:
-                    try:
-                        await self._post_groups(gs)
-                        _settle(fut, None)
-                    except Exception as one_exc:  # noqa: BLE001
-                        _settle(fut, one_exc)
-                continue
-            except Exception as exc:  # noqa: BLE001
+            if len(take) > 1 and await self._try_post_once([g for gs, _ in take for g in gs]):
                 for _, fut in take:
-                    _settle(fut, exc)
+                    _settle(fut, None)
+                self._count_sent(n)
                 continue
-            for _, fut in take:
-                _settle(fut, None)
-            self.groups_sent += len(groups)
-            self._sent_since_status += len(groups)
+            # one submission, or a combined request the API did not take at once (full queue,
+            # refused data, outage): each submission on its own, with full retry handling, so
+            # one bad group or a queue too small for the whole list never holds up the rest
+            for groups, fut in take:
+                try:
+                    await self._post_groups(groups)
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting worker
+                    _settle(fut, exc)
+                else:
+                    _settle(fut, None)
+                    self._count_sent(len(groups))
+
+    def _count_sent(self, n_groups: int) -> None:
+        self.groups_sent += n_groups
+        self._sent_since_status += n_groups
+
+    async def _try_post_once(self, groups: list[dict]) -> bool:
+        """One ``/scored_data_list`` attempt with no retry; whether the API took it."""
+        for group in groups:
+            group["env_id"] = self.env_id
+        body, headers = encode_json_body(groups)
+        try:
+            resp = await self.api.client.post("/scored_data_list", content=body, headers=headers)
+        except httpx.TransportError:
+            return False
+        return resp.status_code < 300
 
     async def _post_groups(self, groups: list[dict]) -> None:
         deadline = time.monotonic() + self.config.send_timeout
