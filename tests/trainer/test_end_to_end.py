@@ -1,0 +1,392 @@
+"""The trainer against real processes: run-api, atropos-serve (tiny model), an env in serve mode.
+
+Also: registration retries while run-api starts, resuming continues the step count, and the
+quick start runs the whole loop, leaves an output folder and stops every child (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
+from tests.conftest import ApiProcess, free_port, start_server
+
+LENGTH_ENV = Path(__file__).with_name("length_env.py")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+
+
+def _procs_mentioning(text: str) -> list[str]:
+    """Command lines of live processes (not zombies) that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z" and "pytest" not in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def _wait_gone(text: str, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = _procs_mentioning(text)
+        if not left:
+            return []
+        time.sleep(0.3)
+    return _procs_mentioning(text)
+
+
+def _probe(url: str) -> list[float]:
+    """Greedy token logprobs of a fixed prompt: they change when the served weights change."""
+    reply = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "What is 2 + 2?",
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 1,
+        },
+        timeout=60,
+    ).json()
+    return reply["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def _metrics(save_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _trainer_cmd(model: Path | str, api_url: str, save_path: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "example_trainer.grpo",
+        "--model",
+        str(model),
+        "--atropos-url",
+        api_url,
+        "--save-path",
+        str(save_path),
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "4",
+        "--gradient-accumulation-steps",
+        "2",
+        "--dtype",
+        "float32",
+        "--lr",
+        "1e-3",
+        "--batch-timeout",
+        "180",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def _tokenized_groups(n_groups: int, group_size: int = 4) -> list[dict]:
+    """Real SmolLM2-tokenized groups as an env would send them, with varied optional fields."""
+    from transformers import AutoTokenizer
+
+    from atroposlib.inference.models import smollm2_tokenizer_dir
+    from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    groups = []
+    for g in range(n_groups):
+        tokens, masks, scores, logprobs = [], [], [], []
+        for i in range(group_size):
+            chat = [
+                {"role": "user", "content": f"What is {g} + {i}?"},
+                {"role": "assistant", "content": f"The answer is {g + i}" + " really" * i},
+            ]
+            out = tokenize_for_trainer(tokenizer, chat)
+            tokens.append(out["tokens"])
+            masks.append(out["masks"])
+            scores.append(float(i % 3))
+            logprobs.append([1.0 if m == -100 else -0.7 for m in out["masks"]])
+        group = {"tokens": tokens, "masks": masks, "scores": scores}
+        if g % 2:
+            group["inference_logprobs"] = logprobs
+            group["overrides"] = [{"set_advantage_to_zero": True}, {"temperature": 0.8}, {}, {}]
+        groups.append(group)
+    return groups
+
+
+# ------------------------------------------------------------------------- API client
+
+
+def test_registration_retries_until_run_api_starts(tmp_path: Path) -> None:
+    port = free_port()
+    result: dict = {}
+
+    def register() -> None:
+        with TrainerAPIClient(f"http://127.0.0.1:{port}") as client:
+            result["uuid"] = client.register(
+                batch_size=8,
+                max_token_len=256,
+                checkpoint_dir=str(tmp_path),
+                save_checkpoint_interval=1,
+                starting_step=5,
+                num_steps=10,
+                timeout=60,
+            )
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    time.sleep(2.0)  # the trainer is already retrying
+    server = ApiProcess(log_path=tmp_path / "api.log", port=port).start()
+    try:
+        thread.join(60)
+        assert isinstance(result.get("uuid"), int)
+        assert httpx.get(server.url + "/status").json()["current_step"] == 5
+        with TrainerAPIClient(server.url) as client:
+            with pytest.raises(TrajectoryAPIError, match="no batch .* within 1 s"):
+                client.get_batch(timeout=1, poll=0.2)
+    finally:
+        server.stop()
+
+
+def test_batch_before_registration_is_an_error(api: httpx.Client) -> None:
+    with TrainerAPIClient(str(api.base_url)) as client:
+        with pytest.raises(TrajectoryAPIError, match="not registered"):
+            client.get_batch(timeout=5)
+
+
+def test_unreachable_api_gives_up_at_the_deadline() -> None:
+    with TrainerAPIClient(f"http://127.0.0.1:{free_port()}") as client:
+        with pytest.raises(TrajectoryAPIError, match="is run-api running"):
+            client.register(
+                batch_size=1,
+                max_token_len=1,
+                checkpoint_dir="x",
+                save_checkpoint_interval=1,
+                starting_step=0,
+                num_steps=1,
+                timeout=1.0,
+            )
+
+
+# --------------------------------------------------------------------- full loop (slow)
+
+
+@pytest.mark.slow
+def test_trainer_env_and_server_end_to_end(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, start_api, tiny_model_dir: Path
+) -> None:
+    api = start_api()
+    server = start_server(
+        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", "tiny"
+    )
+    env_proc = trainer = None
+    save_path = tmp_path / "ckpt"
+    try:
+        before = _probe(server.url)
+        env_log = open(tmp_path / "env.log", "wb")  # noqa: SIM115 - closed below
+        env_proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(LENGTH_ENV),
+                "serve",
+                "--env.rollout_server_url",
+                api.url,
+                "--env.group_size",
+                "4",
+                "--env.batch_size",
+                "8",
+                "--env.total_steps",
+                "3",
+                "--env.tokenizer_name",
+                str(tiny_model_dir),
+                "--env.use_wandb",
+                "false",
+                "--env.steps_per_eval",
+                "0",
+                "--env.max_token_length",
+                "256",
+                "--openai.base_url",
+                server.url + "/v1",
+                "--openai.model_name",
+                "tiny",
+            ],
+            stdout=env_log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+        trainer = subprocess.run(
+            _trainer_cmd(
+                tiny_model_dir,
+                api.url,
+                save_path,
+                "--training-steps",
+                "3",
+                "--inference",
+                "atropos-serve",
+                "--inference-url",
+                server.url,
+                "--weight-sync-interval",
+                "1",
+                "--served-model-name",
+                "tiny",
+            ),
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=400,
+        )
+        assert trainer.returncode == 0, trainer.stderr[-4000:]
+        assert env_proc.wait(60) == 0, (tmp_path / "env.log").read_text()[-3000:]
+        env_log.close()
+
+        metrics = _metrics(save_path)
+        assert [m["step"] for m in metrics] == [1, 2, 3]
+        assert all(math.isfinite(m["loss"]) for m in metrics)
+        assert all(m["sync_seconds"] > 0 for m in metrics)
+        assert any(m["grad_norm"] > 0 for m in metrics)
+        # the env sent sampler logprobs: the ratio was computed against them
+        assert metrics[0]["offpolicy_fraction"] == pytest.approx(1.0)
+        assert metrics[0]["mean_ratio"] == pytest.approx(1.0, abs=0.05)
+        for line in ("step 1", "step 3", "sync"):
+            assert line in trainer.stderr
+
+        assert (save_path / "step_3" / "model.safetensors").is_file()
+        assert (save_path / "step_3" / "trainer_state.pt").is_file()
+        initial = load_file(tiny_model_dir / "model.safetensors")
+        final = load_file(save_path / "final_model" / "model.safetensors")
+        changed = [k for k in initial if not (initial[k] == final[k]).all()]
+        assert len(changed) > len(initial) // 2
+
+        after = _probe(server.url)
+        assert after != before  # the server now serves the trained weights
+    finally:
+        if env_proc is not None and env_proc.poll() is None:
+            env_proc.kill()
+            env_proc.wait()
+        server.stop()
+        api.stop()
+    assert server.proc.returncode is not None and api.proc.returncode is not None
+    assert not _procs_mentioning(str(save_path))
+
+
+@pytest.mark.slow
+def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_dir: Path) -> None:
+    save_path = tmp_path / "ckpt"
+    for run, (steps, extra) in enumerate(
+        [("2", ["--checkpoint-interval", "1"]), ("4", ["--resume", "latest"])]
+    ):
+        api = start_api()
+        for group in _tokenized_groups(4):
+            assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
+        result = subprocess.run(
+            _trainer_cmd(
+                tiny_model_dir,
+                api.url,
+                save_path,
+                "--training-steps",
+                steps,
+                "--inference",
+                "none",
+                *extra,
+            ),
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        if run == 1:
+            # registered with starting_step 2, then took 2 batches
+            assert httpx.get(api.url + "/status").json()["current_step"] == 4
+        api.stop()
+    assert [m["step"] for m in _metrics(save_path)] == [1, 2, 3, 4]
+    assert "resumed from" in result.stderr and "step_2" in result.stderr
+    import torch
+
+    state = torch.load(save_path / "step_4" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4 and state["optimizer"]["state"]  # optimizer state carried on
+    assert not (save_path / "step_1").exists()  # keep_checkpoints=3 pruned the oldest
+
+
+def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "example_trainer.quickstart",
+            "--model",
+            str(model),
+            "--env",
+            str(LENGTH_ENV),
+            "--steps",
+            str(steps),
+            "--output",
+            str(tmp_path / "out"),
+            "--api-port",
+            str(api_port),
+            "--inference-port",
+            str(inf_port),
+            "--batch-timeout",
+            "180",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: Path) -> None:
+    api_port, inf_port = free_port(), free_port()
+    proc = _quickstart(tmp_path, tiny_model_dir, 2, api_port, inf_port)
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output[-4000:]
+    out = tmp_path / "out"
+    assert (out / "rollouts.jsonl").stat().st_size > 0
+    assert (out / "rollouts.html").is_file()
+    assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "final_model" / "config.json").is_file()
+    assert len(_metrics(out / "checkpoints")) == 2
+    for name in ("run-api.log", "atropos-serve.log", "env.log"):
+        assert (out / "logs" / name).is_file()
+    assert f"Everything is in {out}" in output and "rollouts.html" in output
+    for port in (api_port, inf_port):
+        assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+@pytest.mark.slow
+def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Path) -> None:
+    api_port, inf_port = free_port(), free_port()
+    proc = _quickstart(tmp_path, tiny_model_dir, 50, api_port, inf_port)
+    env_log = tmp_path / "out" / "logs" / "env.log"
+    deadline = time.monotonic() + 180
+    while not (env_log.is_file() and "Registered env" in env_log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted" in output
+    for port in (api_port, inf_port):
+        assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
+    assert not _wait_gone(str(tmp_path / "out"))
