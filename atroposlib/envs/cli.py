@@ -333,6 +333,21 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
         single_yaml if isinstance(single_yaml, dict) else {},
         {k[len(OPENAI_PREFIX) :]: v for k, v in cli_openai.items()},
     )
+    yaml_single = single_yaml if isinstance(single_yaml, dict) else {}
+    if cli_openai or yaml_single:
+        try:
+            openai_cls.model_validate(openai_dict)
+        except ValidationError as exc:
+            raise CliError(
+                _validation_message(exc, OPENAI_PREFIX, flags, yaml_single, yaml_path)
+            ) from None
+    if isinstance(yaml_openai, list) and len(yaml_openai) > 1:
+        for i, section in enumerate(yaml_openai):
+            try:
+                APIServerConfig.model_validate(section)
+            except ValidationError as exc:
+                msg = _validation_message(exc, f"{OPENAI_NAMESPACE}[{i}].", {}, section, yaml_path)
+                raise CliError(msg) from None
     try:
         server_configs = resolve_openai_configs(
             default_server_configs=default_servers,
