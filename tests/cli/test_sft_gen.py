@@ -6,6 +6,7 @@ The helpers here (producer, tool runner) are imported by ``test_dpo_gen.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -30,19 +31,25 @@ QUESTION = "What is 2 + 3?"
 # ----------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir() -> Path:
-    """The real SmolLM2 tokenizer as a local folder."""
-    from atroposlib.inference.models import smollm2_tokenizer_dir
-
-    return smollm2_tokenizer_dir()
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir: Path) -> Any:
+@functools.cache
+def smollm2_tokenizer() -> tuple[Path, Any]:
+    """The real SmolLM2 tokenizer: its local folder and the loaded tokenizer."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    from atroposlib.inference.models import smollm2_tokenizer_dir
+
+    path = smollm2_tokenizer_dir()
+    return path, AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    return smollm2_tokenizer()[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return smollm2_tokenizer()[1]
 
 
 def chat_group(
