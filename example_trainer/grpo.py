@@ -64,16 +64,20 @@ def resolve_dtype(config: TrainingConfig) -> torch.dtype:
 def load_policy(source: str, config: TrainingConfig) -> tuple[torch.nn.Module, Any]:
     """Load the model to train (and its tokenizer) from a folder or model name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from atroposlib.inference.models import resolve_model_source
 
+    hf_logging.disable_progress_bar()  # the trainer's own progress line is enough
     path = resolve_model_source(source)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config))
     model.to(config.device)
     model.config.use_cache = False
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it; the old name still works but warns
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
     return model, tokenizer
 
 
@@ -235,15 +239,22 @@ def train(config: TrainingConfig) -> Path:
             metrics = train_step(model, optimizer, scheduler, batch, config, ref_model)
             train_seconds = time.monotonic() - started
             step += 1
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
 
-            sync_seconds = 0.0
-            if step % config.weight_sync_interval == 0 or step == config.training_steps:
-                sync_started = time.monotonic()
+            last = step == config.training_steps
+            # vLLM launched here stops with the trainer: no restart after the last step.
+            sync_now = (step % config.weight_sync_interval == 0 or last) and (
+                not last or sync.outlives_trainer
+            )
+            checkpoint_now = config.checkpoint_interval and step % config.checkpoint_interval == 0
+            save_seconds = reload_seconds = 0.0
+            if sync_now or checkpoint_now or last:
+                save_started = time.monotonic()
                 folder = _save(model, tokenizer, optimizer, scheduler, step, config)
-                sync.sync(folder)
-                sync_seconds = time.monotonic() - sync_started
-            elif config.checkpoint_interval and step % config.checkpoint_interval == 0:
-                _save(model, tokenizer, optimizer, scheduler, step, config)
+                save_seconds = time.monotonic() - save_started
+                if sync_now:
+                    reload_seconds = sync.sync(folder)
 
             log.log(
                 step,
@@ -256,11 +267,11 @@ def train(config: TrainingConfig) -> Path:
                     "tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9),
                     "train_seconds": train_seconds,
                     "batch_wait_seconds": started - waited,
-                    "sync_seconds": sync_seconds,
+                    "sync_seconds": save_seconds + reload_seconds,
+                    "save_seconds": save_seconds,
+                    "reload_seconds": reload_seconds,
                 },
             )
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
         final = save_checkpoint(
             save_path / "final_model", model, tokenizer, step=step, config=config.model_dump()
         )

@@ -181,6 +181,8 @@ class WeightSync:
     """How the inference server gets the trainer's new weights."""
 
     description = "none"
+    outlives_trainer = True
+    """Whether the server keeps running after the trainer exits (worth a final sync)."""
 
     def start(self, model: str) -> None:
         """Bring the inference side up serving ``model`` (a folder or model id)."""
@@ -247,6 +249,7 @@ class VLLMRestart(WeightSync):
     """
 
     description = "vLLM restart"
+    outlives_trainer = False
 
     def __init__(
         self,

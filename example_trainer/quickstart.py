@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Python that runs vLLM (--inference vllm), e.g. a separate virtualenv's.",
     )
     parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="Extra vLLM argument, repeatable (--vllm-arg=--max-model-len --vllm-arg=2048).",
+    )
+    parser.add_argument(
         "--batch-timeout",
         type=float,
         default=600.0,
@@ -256,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             inference_url=inference_url,
             vllm_port=inference_port,
             vllm_python=args.vllm_python,
+            vllm_extra_args=args.vllm_arg,
             training_steps=args.steps,
             batch_size=args.micro_batch_size,
             gradient_accumulation_steps=args.batch_size // args.micro_batch_size,
