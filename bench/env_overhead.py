@@ -1,0 +1,337 @@
+"""Runtime overhead of ``BaseEnv``: ours vs upstream atroposlib 0.4.0, side by side.
+
+One env file (``BenchEnv`` below, public API only) runs under each library's ``serve`` against
+the same two servers:
+
+* a stub OpenAI server (benchmark-only; raw asyncio HTTP) that answers every
+  ``/v1/chat/completions`` instantly with ``n`` fixed choices;
+* our ``run-api``, drained by a trainer-like thread pulling ``/batch``.
+
+A rollout is one group: one chat request with ``n=group_size``, trivial scoring, one send.
+For each library we measure, over a fixed window after the first group arrived: groups per
+second reaching the API, and the env process's CPU time per group (user+sys from /proc).
+
+    python bench/env_overhead.py [--seconds 15] [--upstream-python /tmp/upstream-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+
+
+# ---------------------------------------------------------------------------- the env
+
+
+def _bench_env_main(argv: list[str]) -> None:
+    from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+
+    class BenchEnv(BaseEnv):
+        name = "bench"
+
+        @classmethod
+        def config_init(cls):
+            return BaseEnvConfig(
+                tokenizer_name=os.environ["BENCH_TOKENIZER"],
+                group_size=4,
+                use_wandb=False,
+                wandb_name="bench",
+                max_token_length=64,
+                total_steps=10**9,
+                max_num_workers=64,
+                max_batches_offpolicy=1000,
+                ensure_scores_are_not_same=False,
+            ), [
+                APIServerConfig(
+                    base_url=os.environ["BENCH_STUB_URL"],
+                    api_key="x",
+                    model_name="stub",
+                    health_check=False,
+                )
+            ]
+
+        async def setup(self):
+            self.i = 0
+
+        async def get_next_item(self):
+            self.i += 1
+            return self.i
+
+        async def collect_trajectories(self, item):
+            reply = await self.server.chat_completion(
+                messages=[{"role": "user", "content": f"q{item}"}],
+                n=self.config.group_size,
+                max_tokens=4,
+            )
+            group = ScoredDataGroup()
+            group["tokens"] = [[1, 2, 3, item % 1000, i] for i in range(len(reply.choices))]
+            group["masks"] = [[-100, -100, 3, item % 1000, i] for i in range(len(reply.choices))]
+            group["scores"] = [float(len(c.message.content or "")) for c in reply.choices]
+            return group, []
+
+        async def evaluate(self, *args, **kwargs):
+            return None
+
+    sys.argv = [sys.argv[0], *argv]
+    BenchEnv.cli()
+
+
+# ---------------------------------------------------------------------------- the stub server
+
+
+def _stub_main(port: int) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = json.loads(await reader.readexactly(length)) if length else {}
+                n = int(body.get("n") or 1)
+                payload = json.dumps(
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": "stub",
+                        "choices": [
+                            {
+                                "index": i,
+                                "message": {"role": "assistant", "content": "4" * (i + 1)},
+                                "finish_reason": "stop",
+                            }
+                            for i in range(n)
+                        ],
+                        "usage": {
+                            "prompt_tokens": 1,
+                            "completion_tokens": n,
+                            "total_tokens": 1 + n,
+                        },
+                    }
+                ).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(payload)).encode()
+                    + b"\r\n\r\n"
+                    + payload
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- harness
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 30) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Puller(threading.Thread):
+    """Registers as the trainer and pulls batches, counting sequences."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        import httpx
+
+        self.client = httpx.Client(base_url=url, timeout=10)
+        self.sequences = 0
+        self.first_seen: float | None = None
+        self.stop_flag = False
+        self.client.get("/reset_data")
+        self.client.post(
+            "/register",
+            json={
+                "wandb_group": "bench",
+                "wandb_project": "bench",
+                "batch_size": 64,
+                "max_token_len": 512,
+                "checkpoint_dir": "",
+                "save_checkpoint_interval": -1,
+                "starting_step": 0,
+                "num_steps": 10**9,
+            },
+        ).raise_for_status()
+        self.client.get("/batch")
+
+    def run(self) -> None:
+        while not self.stop_flag:
+            batch = self.client.get("/batch").json().get("batch")
+            if batch:
+                if self.first_seen is None:
+                    self.first_seen = time.monotonic()
+                self.sequences += sum(len(g["tokens"]) for g in batch)
+            else:
+                time.sleep(0.01)
+
+    def queued_sequences(self) -> int:
+        return int(self.client.get("/status").json()["queue_size"]) * 4
+
+
+def measure(
+    label: str, python: str, api_url: str, stub_url: str, tokenizer: str, seconds: float, cwd: str
+) -> dict:
+    puller = Puller(api_url)
+    puller.start()
+    env = {
+        **os.environ,
+        "BENCH_STUB_URL": stub_url,
+        "BENCH_TOKENIZER": tokenizer,
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": "" if label == "upstream" else str(REPO),
+    }
+    log = open(f"/tmp/env_overhead_{label}.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [python, str(HERE), "_env", "serve", "--env.rollout_server_url", api_url],
+        env=env,
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while puller.first_seen is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{label} env exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: no data after 120 s")
+            time.sleep(0.05)
+        time.sleep(1.0)  # warm-up
+        seq0, cpu0, t0 = (
+            puller.sequences + puller.queued_sequences(),
+            _cpu_seconds(proc.pid),
+            time.monotonic(),
+        )
+        time.sleep(seconds)
+        seq1, cpu1, t1 = (
+            puller.sequences + puller.queued_sequences(),
+            _cpu_seconds(proc.pid),
+            time.monotonic(),
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+        puller.stop_flag = True
+        puller.join(5)
+    groups = (seq1 - seq0) / 4
+    return {
+        "library": label,
+        "rollouts_per_s": groups / (t1 - t0),
+        "cpu_ms_per_rollout": 1000 * (cpu1 - cpu0) / max(groups, 1),
+        "groups": groups,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="Measuring window per library")
+    parser.add_argument("--upstream-python", default="/tmp/upstream-venv/bin/python")
+    args = parser.parse_args()
+
+    from atroposlib.inference.models import smollm2_tokenizer_dir
+
+    tokenizer = str(smollm2_tokenizer_dir())
+    stub_port, api_port = _free_port(), _free_port()
+    children = [
+        subprocess.Popen([sys.executable, str(HERE), "_stub", str(stub_port)]),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atroposlib.cli.run_api",
+                "--port",
+                str(api_port),
+                "--log-level",
+                "warning",
+                "--max-queue-sequences",
+                "10000000",
+            ],
+            cwd=str(REPO),
+        ),
+    ]
+    api_url, stub_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{stub_port}/v1"
+    try:
+        _wait_http(api_url + "/info")
+        _wait_http(f"http://127.0.0.1:{stub_port}/")
+        rows = [
+            measure("ours", sys.executable, api_url, stub_url, tokenizer, args.seconds, str(REPO))
+        ]
+        if Path(args.upstream_python).exists():
+            rows.append(
+                measure(
+                    "upstream",
+                    args.upstream_python,
+                    api_url,
+                    stub_url,
+                    tokenizer,
+                    args.seconds,
+                    "/",
+                )
+            )
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    print(f"{'library':<10} {'rollouts/s':>12} {'CPU ms/rollout':>15} {'groups':>8}")
+    for row in rows:
+        print(
+            f"{row['library']:<10} {row['rollouts_per_s']:>12.1f} {row['cpu_ms_per_rollout']:>15.2f} "
+            f"{row['groups']:>8.0f}"
+        )
+    if len(rows) == 2:
+        print(f"speed-up: {rows[0]['rollouts_per_s'] / max(rows[1]['rollouts_per_s'], 1e-9):.1f}x")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_env":
+        _bench_env_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "_stub":
+        _stub_main(int(sys.argv[2]))
+    else:
+        random.seed(0)
+        main()
