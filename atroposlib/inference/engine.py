@@ -190,6 +190,16 @@ class _Sequence:
         return self.out.finish_reason is not None
 
 
+def _batch_cache(source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """The running batch's cache, always built the same way.
+
+    A ``DynamicCache`` built from layer tensors differs (in attributes ``torch.compile`` guards
+    on) from one a forward pass filled, so the decode step only ever sees this kind.
+    """
+    layers = source if isinstance(source, list) else [(x.keys, x.values) for x in source.layers]
+    return DynamicCache(ddp_cache_data=layers)
+
+
 class GenerationEngine:
     """Serve generation requests for one model with continuous batching on a scheduler thread.
 
@@ -223,9 +233,14 @@ class GenerationEngine:
         self.compiled = compile
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
-        self._decode_model = (
-            torch.compile(model, dynamic=True) if compile else model  # type: ignore[assignment]
-        )
+        self._decode_model = model
+        if compile:
+            # Duck sizing would make dynamo assume that two sizes equal during warmup stay equal
+            # (e.g. the prompt length and the KV length), and recompile when they differ.
+            import torch.fx.experimental._config as fx_config
+
+            fx_config.use_duck_shape = False
+            self._decode_model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
         model_max = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_ids = self._eos_ids(model, tokenizer)
@@ -286,14 +301,16 @@ class GenerationEngine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = out.past_key_values
+                cache = _batch_cache(out.past_key_values)
                 mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
                 for _ in range(3):
                     # The same call as the scheduler's decode step, so that with ``compile``
                     # every graph it needs (batch 1, and any batch >1) is built here.
                     mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
                     out = self._decode_model(
-                        input_ids=ids[:, :1].to(self.device),
+                        # A fresh (batch, 1) tensor like the scheduler's: a column view of
+                        # ``ids`` has other strides, which compiled graphs guard on.
+                        input_ids=ids.new_full((batch, 1), int(ids[0, 0])).to(self.device),
                         attention_mask=mask,
                         position_ids=mask.sum(dim=1, keepdim=True) - 1,
                         past_key_values=cache,
@@ -562,7 +579,7 @@ class GenerationEngine:
     def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[_Sequence]) -> None:
         """Append new rows to the running batch, left-padding whichever side is shorter."""
         if self._cache is None or not self._running:
-            self._cache, self._mask, self._running = cache, mask, sequences
+            self._cache, self._mask, self._running = _batch_cache(cache), mask, sequences
             return
         width = max(self._mask.shape[1], mask.shape[1])
 
@@ -578,7 +595,7 @@ class GenerationEngine:
             keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
             values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
             layers.append((keys, values))
-        self._cache = DynamicCache(ddp_cache_data=layers)
+        self._cache = _batch_cache(layers)
         self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
         self._running = self._running + sequences
 
