@@ -23,17 +23,59 @@ from pydantic_core import PydanticUndefined
 
 def _sections() -> dict[str, Callable[[], str]]:
     from atroposlib.api.settings import ApiSettings
+    from atroposlib.envs.config import BaseEnvConfig
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.server_manager import ServerManagerConfig
+
+    def parser_of(module: str) -> Callable[[], str]:
+        def render() -> str:
+            import importlib
+
+            return render_parser(importlib.import_module(module).build_parser())
+
+        return render
 
     return {
         "api-settings": lambda: render_table(
             ApiSettings, flag=lambda n: "--" + n.replace("_", "-"), env=True
         ),
+        "env-config": lambda: render_table(BaseEnvConfig, flag=lambda n: "--env." + n),
+        "openai-config": lambda: render_table(APIServerConfig, flag=lambda n: "--openai." + n),
+        "server-manager-config": lambda: render_table(ServerManagerConfig, flag=lambda n: "--" + n),
+        "atropos-serve": parser_of("atroposlib.inference.cli"),
+        "atropos-sft-gen": parser_of("atroposlib.cli.sft"),
+        "atropos-dpo-gen": parser_of("atroposlib.cli.dpo"),
+        "view-run": parser_of("atroposlib.cli.view_run"),
     }
+
+
+def render_parser(parser: argparse.ArgumentParser) -> str:
+    """A markdown table of an argparse parser's options (positionals first)."""
+    rows = ["| flag | default | description |", "|---|---|---|"]
+    for action in parser._actions:  # argparse has no public accessor for its actions
+        if isinstance(action, argparse._HelpAction):
+            continue
+        names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}`"
+        if action.choices:
+            names += " (" + " \\| ".join(str(c) for c in action.choices) + ")"
+        if not action.option_strings:
+            default = "required" if action.nargs is None else "optional"
+        elif isinstance(action, argparse._StoreTrueAction):
+            default = "off"
+        elif action.default is None or action.default is argparse.SUPPRESS:
+            default = "—"
+        else:
+            default = f"`{action.default}`"
+        help_text = (action.help or "").replace("%(default)s", str(action.default))
+        help_text = help_text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {names} | {default} | {help_text} |")
+    return "\n".join(rows)
 
 
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("NoneType", "None")
+    text = text.replace("typing.", "").replace("NoneType", "None")
+    return text.replace("|", "\\|")  # a bare | would end the markdown table cell
 
 
 def _default(field: Any) -> str:
