@@ -9,6 +9,7 @@ written under a temporary name and renamed, so a crash never leaves a half-writt
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -26,19 +27,10 @@ def step_dir(save_path: Path, step: int) -> Path:
     return save_path / f"step_{step}"
 
 
-def save_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    *,
-    step: int,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any | None = None,
-    config: dict[str, Any] | None = None,
-) -> Path:
-    """Write ``model`` + ``tokenizer`` (and trainer state when ``optimizer`` is given) to ``path``.
+def save_checkpoint(path: Path, model: torch.nn.Module, tokenizer: Any, *, step: int) -> Path:
+    """Write ``model`` + ``tokenizer`` to ``path`` (replacing an existing folder); returns it.
 
-    An existing folder at ``path`` is replaced. Returns ``path``.
+    This is what inference servers load. ``save_trainer_state`` adds what resuming needs.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{time.monotonic_ns()}")
@@ -46,17 +38,6 @@ def save_checkpoint(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if optimizer is not None:
-            torch.save(
-                {
-                    "step": step,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": torch.get_rng_state(),
-                    "config": config,
-                },
-                tmp / TRAINER_STATE,
-            )
         (tmp / "atropos_step.json").write_text(json.dumps({"step": step}))
         if path.exists():
             shutil.rmtree(path)
@@ -65,6 +46,33 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def save_trainer_state(
+    path: Path,
+    *,
+    step: int,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Add ``trainer_state.pt`` (optimizer, scheduler, step, RNG) to checkpoint ``path``.
+
+    Written to a temporary file and renamed, so the folder is either resumable or not, never
+    half-written.
+    """
+    tmp = Path(path) / f".{TRAINER_STATE}.tmp"
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": torch.get_rng_state(),
+            "config": config,
+        },
+        tmp,
+    )
+    os.replace(tmp, Path(path) / TRAINER_STATE)
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from example_trainer.checkpoint import (
     load_trainer_state,
     prune_checkpoints,
     save_checkpoint,
+    save_trainer_state,
     step_dir,
 )
 from example_trainer.config import TrainingConfig, load_config
@@ -247,14 +248,25 @@ def train(config: TrainingConfig) -> Path:
             sync_now = (step % config.weight_sync_interval == 0 or last) and (
                 not last or sync.outlives_trainer
             )
-            checkpoint_now = config.checkpoint_interval and step % config.checkpoint_interval == 0
+            checkpoint_now = (
+                config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0
+            )
             save_seconds = reload_seconds = 0.0
             if sync_now or checkpoint_now or last:
                 save_started = time.monotonic()
-                folder = _save(model, tokenizer, optimizer, scheduler, step, config)
+                folder = save_checkpoint(step_dir(save_path, step), model, tokenizer, step=step)
                 save_seconds = time.monotonic() - save_started
                 if sync_now:
                     reload_seconds = sync.sync(folder)
+                if checkpoint_now or last:  # optimizer state only where resuming needs it
+                    save_trainer_state(
+                        folder,
+                        step=step,
+                        optimizer=optimizer,
+                        scheduler=scheduler,
+                        config=config.model_dump(),
+                    )
+                prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
 
             log.log(
                 step,
@@ -272,9 +284,7 @@ def train(config: TrainingConfig) -> Path:
                     "reload_seconds": reload_seconds,
                 },
             )
-        final = save_checkpoint(
-            save_path / "final_model", model, tokenizer, step=step, config=config.model_dump()
-        )
+        final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
         logger.info("final model saved to %s", final)
         return final
     finally:
@@ -296,24 +306,6 @@ def _resume_folder(config: TrainingConfig) -> Path | None:
     folder = Path(config.resume).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"--resume {folder}: no such folder")
-    return folder
-
-
-def _save(model, tokenizer, optimizer, scheduler, step: int, config: TrainingConfig) -> Path:
-    """Save ``step_N``: with trainer state on checkpoint steps and the final step."""
-    resumable = step == config.training_steps or (
-        config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0
-    )
-    folder = save_checkpoint(
-        step_dir(config.save_dir(), step),
-        model,
-        tokenizer,
-        step=step,
-        optimizer=optimizer if resumable else None,
-        scheduler=scheduler if resumable else None,
-        config=config.model_dump(),
-    )
-    prune_checkpoints(config.save_dir(), config.keep_checkpoints, protect={folder})
     return folder
 
 

@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
             "--openai.model_name",
             served_name,
         ]
+        if args.inference == "vllm":
+            # vLLM's OpenAI server has no /generate (token ids + logprobs): use plain chat
+            # completions; the env re-tokenizes and sends no inference_logprobs.
+            env_command += ["--openai.server_type", "openai"]
         for extra in args.env_arg:
             flag, _, value = extra.partition("=")
             env_command += [f"--{flag.lstrip('-')}", value]

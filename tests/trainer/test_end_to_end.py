@@ -289,7 +289,10 @@ def test_trainer_env_and_server_end_to_end(
 def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_dir: Path) -> None:
     save_path = tmp_path / "ckpt"
     for run, (steps, extra) in enumerate(
-        [("2", ["--checkpoint-interval", "1"]), ("4", ["--resume", "latest"])]
+        [
+            ("2", ["--checkpoint-interval", "1", "--use-wandb", "--wandb-mode", "offline"]),
+            ("4", ["--resume", "latest"]),
+        ]
     ):
         api = start_api()
         for group in _tokenized_groups(4):
@@ -321,7 +324,10 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
 
     state = torch.load(save_path / "step_4" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 4 and state["optimizer"]["state"]  # optimizer state carried on
-    assert not (save_path / "step_1").exists()  # keep_checkpoints=3 pruned the oldest
+    assert (save_path / "step_3").is_dir() and not (
+        save_path / "step_3" / "trainer_state.pt"
+    ).exists()
+    assert list((save_path / "wandb").glob("offline-run-*")), "W&B offline run not written"
 
 
 def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int):
