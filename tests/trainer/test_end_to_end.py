@@ -53,6 +53,18 @@ def _wait_gone(text: str, timeout: float = 20.0) -> list[str]:
     return _procs_mentioning(text)
 
 
+def _pid_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _probe(url: str) -> list[float]:
     """Greedy token logprobs of a fixed prompt: they change when the served weights change."""
     reply = httpx.post(
@@ -396,3 +408,54 @@ def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Pat
     for port in (api_port, inf_port):
         assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
     assert not _wait_gone(str(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_trainer_restarts_vllm_on_each_sync(
+    tmp_path: Path, start_api, tiny_model_dir: Path
+) -> None:
+    """The trainer's vLLM path end to end, with a stand-in ``vllm`` package on PYTHONPATH."""
+    package = tmp_path / "fakepkg" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(
+        f"import runpy\nrunpy.run_path({str(Path(__file__).with_name('fake_vllm.py'))!r}, "
+        "run_name='__main__')\n"
+    )
+    api = start_api()
+    for group in _tokenized_groups(6):
+        assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
+    record = tmp_path / "launches.jsonl"
+    port = free_port()
+    result = subprocess.run(
+        _trainer_cmd(
+            tiny_model_dir,
+            api.url,
+            tmp_path / "ckpt",
+            "--training-steps",
+            "3",
+            "--inference",
+            "vllm",
+            "--vllm-port",
+            str(port),
+            "--weight-sync-interval",
+            "1",
+            "--served-model-name",
+            "policy",
+        ),
+        capture_output=True,
+        text=True,
+        env={**ENV, "PYTHONPATH": str(tmp_path / "fakepkg"), "FAKE_VLLM_RECORD": str(record)},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    launches = [json.loads(line) for line in record.read_text().splitlines()]
+    # launched on the base model, relaunched after steps 1 and 2; none after the last step
+    assert [Path(x["model"]).name for x in launches] == [tiny_model_dir.name, "step_1", "step_2"]
+    assert {x["served_model_name"] for x in launches} == {"policy"}
+    metrics = _metrics(tmp_path / "ckpt")
+    assert [m["reload_seconds"] > 0 for m in metrics] == [True, True, False]
+    for launch in launches:  # every server the trainer launched, and its children, are gone
+        assert _pid_gone(launch["pid"]) and _pid_gone(launch["grandchild"])
+    assert not _procs_mentioning(f"--port {port}")
