@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from example_trainer.api import TrajectoryAPIError
 from example_trainer.inference_process import ChildProcess, InferenceLaunchError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -157,10 +158,6 @@ def _watch(children: list[ChildProcess], stop: threading.Event, failed: list[str
 
 def run(args: argparse.Namespace) -> int:
     """Start everything, train, stop everything; returns the exit status."""
-    from atroposlib.inference.models import resolve_model_source
-    from example_trainer.config import TrainingConfig
-    from example_trainer.grpo import train
-
     if args.batch_size % args.group_size:
         raise SystemExit("atropos-quickstart: --batch-size must be a multiple of --group-size")
     if args.batch_size % args.micro_batch_size:
@@ -168,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
             "atropos-quickstart: --batch-size must be a multiple of --micro-batch-size"
         )
     env_file = find_env_file(args.env)
+    # torch and transformers load only once the flags are known to be good
+    from atroposlib.inference.models import resolve_model_source
+    from example_trainer.config import TrainingConfig
+    from example_trainer.grpo import train
+
     out = Path(args.output).expanduser().resolve()
     logs, checkpoints = out / "logs", out / "checkpoints"
     logs.mkdir(parents=True, exist_ok=True)
@@ -188,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     failed: list[str] = []
     started = time.monotonic()
     final = None
+    env: ChildProcess | None = None
     try:
         api = ChildProcess(
             "run-api",
@@ -292,6 +295,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except InferenceLaunchError as exc:
         print(f"atropos-quickstart: {exc}", file=sys.stderr)
+        return 1
+    except TrajectoryAPIError as exc:
+        tail = env.log_tail(2000) if env is not None else ""
+        print(
+            f"atropos-quickstart: {exc}\nenvironment log ({logs / 'env.log'}):\n{tail}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         stop_watch.set()

@@ -459,3 +459,25 @@ def test_trainer_restarts_vllm_on_each_sync(
     for launch in launches:  # every server the trainer launched, and its children, are gone
         assert _pid_gone(launch["pid"]) and _pid_gone(launch["grandchild"])
     assert not _procs_mentioning(f"--port {port}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--env", "no_such_env"], "--env no_such_env: not found"),
+        (["--env", "missing.py"], "--env missing.py: no such file"),
+        (["--batch-size", "6", "--group-size", "4"], "multiple of --group-size"),
+    ],
+)
+def test_quickstart_bad_flags_are_named(tmp_path: Path, argv: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "example_trainer.quickstart", "--output", str(tmp_path), *argv],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    if "not found" in message:
+        assert "arithmetic" in result.stderr  # lists the known environments
