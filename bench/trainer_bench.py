@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -177,8 +178,9 @@ def main() -> None:
             summary["vllm_restart_seconds"] = round(restart.sync(checkpoint), 1)
         finally:
             restart.close()
-        summary["vllm_log"] = str(work / "vllm.log")
 
+    shutil.rmtree(work / "ckpt", ignore_errors=True)  # ~1.5 GB of checkpoints; logs stay
+    summary["logs"] = str(work)
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
