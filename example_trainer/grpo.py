@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from atroposlib.inference.models import resolve_model_source
 from example_trainer.api import TrainerAPIClient
 from example_trainer.checkpoint import (
     latest_resumable,
@@ -66,8 +67,6 @@ def load_policy(source: str, config: TrainingConfig) -> tuple[torch.nn.Module, A
     """Load the model to train (and its tokenizer) from a folder or model name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-
-    from atroposlib.inference.models import resolve_model_source
 
     hf_logging.disable_progress_bar()  # the trainer's own progress line is enough
     path = resolve_model_source(source)
@@ -187,7 +186,9 @@ def train(config: TrainingConfig) -> Path:
     save_path.mkdir(parents=True, exist_ok=True)
 
     resume_from = _resume_folder(config)
-    model, tokenizer = load_policy(str(resume_from or config.model_name), config)
+    # a folder vLLM and atropos-serve can load (the packaged SmolLM2 is converted once)
+    start_model = str(resume_from or resolve_model_source(config.model_name))
+    model, tokenizer = load_policy(start_model, config)
     ref_model = None
     if config.kl_coef > 0:
         ref_model, _ = load_policy(config.reference_model or config.model_name, config)
@@ -220,7 +221,7 @@ def train(config: TrainingConfig) -> Path:
     api = TrainerAPIClient(config.atropos_url)
     try:
         log.status("starting the inference server" if config.inference == "vllm" else "")
-        sync.start(str(resume_from or config.model_name))
+        sync.start(start_model)
         api.register(
             batch_size=config.api_batch_size,
             max_token_len=config.seq_len,
