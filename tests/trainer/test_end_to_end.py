@@ -303,7 +303,7 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
     for run, (steps, extra) in enumerate(
         [
             ("2", ["--checkpoint-interval", "1", "--use-wandb", "--wandb-mode", "offline"]),
-            ("4", ["--resume", "latest"]),
+            ("4", ["--resume", "latest", "--kl-coef", "0.05"]),
         ]
     ):
         api = start_api()
@@ -330,7 +330,10 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
             # registered with starting_step 2, then took 2 batches
             assert httpx.get(api.url + "/status").json()["current_step"] == 4
         api.stop()
-    assert [m["step"] for m in _metrics(save_path)] == [1, 2, 3, 4]
+    metrics = _metrics(save_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    # the resumed run penalises drift from the original model, which it has already left
+    assert metrics[1]["kl"] == 0.0 and metrics[2]["kl"] > 0 and metrics[3]["kl"] > 0
     assert "resumed from" in result.stderr and "step_2" in result.stderr
     import torch
 
