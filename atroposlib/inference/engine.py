@@ -197,7 +197,8 @@ def _batch_cache(source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]])
     on) from one a forward pass filled, so the decode step only ever sees this kind.
     """
     layers = source if isinstance(source, list) else [(x.keys, x.values) for x in source.layers]
-    return DynamicCache(ddp_cache_data=layers)
+    # Contiguous too: compiled graphs guard on strides, and a sliced or repeated cache has others.
+    return DynamicCache(ddp_cache_data=[(k.contiguous(), v.contiguous()) for k, v in layers])
 
 
 class GenerationEngine:
@@ -739,8 +740,9 @@ class GenerationEngine:
             if leading:
                 mask = mask[:, leading:]
                 for layer in self._cache.layers:
-                    layer.keys = layer.keys[:, :, leading:, :]
-                    layer.values = layer.values[:, :, leading:, :]
+                    # Contiguous so that ``--compile`` graphs (which guard on strides) are reused.
+                    layer.keys = layer.keys[:, :, leading:, :].contiguous()
+                    layer.values = layer.values[:, :, leading:, :].contiguous()
             self._mask = mask
             self._running = [self._running[i] for i in keep]
         still_running = {id(s.handle) for s in self._running}
