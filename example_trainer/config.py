@@ -159,6 +159,10 @@ class TrainingConfig(BaseModel):
         default_factory=list,
         description="More arguments for vLLM, e.g. ['--max-model-len', '4096'].",
     )
+    vllm_log: str | None = Field(
+        default=None,
+        description="vLLM's log file, appended across restarts (default: save_path/logs/vllm.log).",
+    )
     vllm_startup_timeout: float = Field(
         default=600.0, gt=0, description="Seconds to wait for vLLM's /health after a launch."
     )

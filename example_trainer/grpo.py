@@ -101,7 +101,7 @@ def make_weight_sync(config: TrainingConfig) -> WeightSync:
         return VLLMRestart(
             build,
             f"http://{config.vllm_host}:{config.vllm_port}",
-            config.save_dir() / "logs" / "vllm.log",
+            config.vllm_log or config.save_dir() / "logs" / "vllm.log",
             startup_timeout=config.vllm_startup_timeout,
             served_model_name=config.model_alias,
         )
@@ -258,6 +258,7 @@ def train(config: TrainingConfig) -> Path:
                 folder = save_checkpoint(step_dir(save_path, step), model, tokenizer, step=step)
                 save_seconds = time.monotonic() - save_started
                 if sync_now:
+                    log.status(f"step {step}: weight sync ({sync.description})")
                     reload_seconds = sync.sync(folder)
                 if checkpoint_now or last:  # optimizer state only where resuming needs it
                     save_trainer_state(

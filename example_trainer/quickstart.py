@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
             vllm_port=inference_port,
             vllm_python=args.vllm_python,
             vllm_extra_args=args.vllm_arg,
+            vllm_log=str(logs / "vllm.log"),
             training_steps=args.steps,
             batch_size=args.micro_batch_size,
             gradient_accumulation_steps=args.batch_size // args.micro_batch_size,
