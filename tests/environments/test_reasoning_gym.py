@@ -262,3 +262,52 @@ def test_evaluate_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -
     assert len(samples) == 4
     assert {s["task"] for s in samples} == {"basic_arithmetic", "chain_sum"}
     assert all(0.0 <= s["score"] <= 1.0 for s in samples)
+
+
+@pytest.mark.slow
+def test_serve_feeds_a_trainer(start_api, tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.envs.helpers import Trainer, start_env, stop
+
+    api = start_api()
+    trainer = Trainer(api.url, batch_size=8, max_token_len=512, num_steps=1)
+    trainer.register()
+    proc = start_env(
+        SCRIPT,
+        "serve",
+        "--env.rollout_server_url",
+        api.url,
+        "--openai.base_url",
+        f"{tiny_serve.url}/v1",
+        "--openai.model_name",
+        "tiny",
+        "--openai.tokenizer_name",
+        str(tiny_model_dir),
+        "--env.tokenizer_name",
+        str(tiny_model_dir),
+        "--env.use_wandb",
+        "false",
+        "--env.tasks",
+        "basic_arithmetic",
+        "--env.total_steps",
+        "1",
+        "--env.group_size",
+        "4",
+        "--env.max_token_length",
+        "32",
+        "--env.min_completion_tokens",
+        "1",
+        "--env.ensure_scores_are_not_same",
+        "false",
+        log=tmp_path / "env.log",
+    )
+    try:
+        trainer.pull(1, timeout=120)
+        rc = proc.wait(60)
+    finally:
+        stop(proc)
+        trainer.close()
+    log = (tmp_path / "env.log").read_text()
+    assert rc == 0, log[-3000:]
+    groups = trainer.groups()
+    assert len(groups) >= 2
+    assert_valid_groups(groups, 4)
