@@ -46,6 +46,8 @@ def _sections() -> dict[str, Callable[[], str]]:
         "atropos-sft-gen": parser_of("atroposlib.cli.sft"),
         "atropos-dpo-gen": parser_of("atroposlib.cli.dpo"),
         "view-run": parser_of("atroposlib.cli.view_run"),
+        "atropos-quickstart": parser_of("example_trainer.quickstart"),
+        "atropos-grpo": parser_of("example_trainer.config"),
     }
 
 
