@@ -9,7 +9,8 @@ Reward (0 to 1, as upstream): the task's own ``score_answer``, taking the better
 of the extracted answer -- the bare answer and the answer wrapped in ``<answer>`` tags (task
 verifiers differ in which they expect). The answer is the content of the single ``<answer>`` tag
 outside ``<think>`` (two or more such tags score 0, as upstream); upstream gives 0 when there is
-no tag at all, we fall back to the ``\\boxed{}`` answer or else the last non-empty line unless
+no tag at all, we fall back to the ``\\boxed{}`` answer, the last "answer is ..." statement or
+else the last non-empty line unless
 ``require_answer_tags`` is on (small models rarely use the tags). When every completion of a
 group scores at least 0.5, scores are scaled down linearly above 75% of ``max_token_length``
 (upstream's penalty); a completion cut off by the length limit gets ``set_advantage_to_zero``
@@ -76,6 +77,7 @@ SYSTEM_PROMPT = (
 DEFAULT_TASKS = ["basic_arithmetic", "chain_sum", "gsm_symbolic", "leg_counting", "gcd"]
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL | re.IGNORECASE)
+_ANSWER_STATEMENT = re.compile(r"\banswer\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 
 
@@ -91,7 +93,8 @@ def extract_answer(text: str | None, *, require_tags: bool = False) -> str | Non
 
     The content of the single ``<answer>`` tag outside ``<think>`` blocks (None when there are
     two or more, as upstream); without a tag, unless ``require_tags``, the ``\\boxed{}`` answer
-    after ``</think>`` or else its last non-empty line (an ``Answer:`` prefix removed).
+    after ``</think>``, else what follows its last "answer is" / "answer:", else its last
+    non-empty line.
     """
     if not text:
         return None
@@ -111,13 +114,13 @@ def extract_answer(text: str | None, *, require_tags: bool = False) -> str | Non
     boxed = extract_boxed(body)
     if boxed is not None:
         return boxed.strip() or None
+    statements = _ANSWER_STATEMENT.findall(body)
+    if statements:
+        return statements[-1].strip().rstrip(".").strip() or None
     lines = [line.strip() for line in body.strip().splitlines() if line.strip()]
     if not lines:
         return None
-    last = re.sub(
-        r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is)?\s*[:=]?\s*", "", lines[-1], flags=re.I
-    )
-    return last.strip().rstrip(".").strip() or None
+    return lines[-1].rstrip(".").strip() or None
 
 
 def score_answer(dataset: Any, entry: dict[str, Any], answer: str | None) -> float:
@@ -344,7 +347,8 @@ class ReasoningGymEnv(BaseEnv):
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Mean task score (``eval/percent_correct``, upstream's key), share of answers at least
-        0.5, share with an extractable answer, and the mean score per task."""
+        0.5, share with an extractable answer, share using ``<answer>`` tags, and the mean
+        score per task."""
         start = time.time()
         samples = await gather_bounded(
             [self.rollout_and_score_eval(entry, ds) for entry, ds in self.test],
@@ -355,6 +359,11 @@ class ReasoningGymEnv(BaseEnv):
             "eval/percent_correct": sum(s["score"] for s in samples) / n,
             "eval/percent_at_least_half": sum(s["correct"] for s in samples) / n,
             "eval/percent_answered": sum(s["extracted_answer"] is not None for s in samples) / n,
+            "eval/percent_answer_tags": sum(
+                extract_answer(s["messages"][-1]["content"], require_tags=True) is not None
+                for s in samples
+            )
+            / n,
             "eval/num_items": float(len(samples)),
         }
         for task in self.config.tasks:

@@ -64,6 +64,8 @@ def arithmetic():
         ("3 + 4 = 7, so \\boxed{7}", "7"),
         ("Let me add.\nThe answer is 7.", "7"),
         ("Final answer: 7", "7"),
+        ("So, the answer is 144.\n\nI hope this helps!", "144"),
+        ("The answer is: 2", "2"),
         ("<think>never closed 7", None),
         ("", None),
         (None, None),
