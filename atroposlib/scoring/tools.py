@@ -354,8 +354,10 @@ class ToolResult:
         return f"<tool_response>\n{json.dumps(body, ensure_ascii=False)}\n</tool_response>"
 
     def openai_message(self) -> dict[str, Any]:
-        """The ``{"role": "tool", "tool_call_id", "content"}`` message (OpenAI format)."""
-        return {"role": "tool", "tool_call_id": self.call.id, "content": self.content}
+        """The ``{"role": "tool", "tool_call_id", "content"}`` message (OpenAI format): the
+        value as JSON, or ``{"error": ...}``."""
+        content = self.content if self.ok else json.dumps({"error": self.content})
+        return {"role": "tool", "tool_call_id": self.call.id, "content": content}
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
