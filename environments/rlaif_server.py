@@ -1,0 +1,374 @@
+"""RLAIF: open-ended answers scored by an LLM judge at a configurable OpenAI endpoint.
+
+For each prompt the policy samples ``group_size`` answers; a judge model (any
+OpenAI-compatible chat endpoint: ``--env.judge_base_url``, ``--env.judge_model_name``,
+``--env.judge_api_key``; by default the same server as the policy, like upstream's
+self-judging ``rlaif_server.py``) scores them:
+
+* ``--env.judge_mode pairwise`` (default): every pair of answers is compared, in both orders
+  when ``judge_swap`` (position bias cancels); an answer's score is ``2 * win_rate - 1``.
+* ``--env.judge_mode rubric``: each answer is rated on ``rubric`` from ``rubric_min`` to
+  ``rubric_max``, mapped to [-1, 1].
+
+Judge replies are parsed leniently (``[[A]]``, ``Verdict: B``, ``Rating: [[7]]``, ``7/10``);
+an unparseable reply is retried ``judge_retries`` times, then counts as a tie / the middle of
+the scale, and is counted in ``judge/parse_failure_rate``; an unreachable judge is counted in
+``judge/errors`` and never kills the rollout.
+
+Prompts: a small instruction set shipped in this file (with reference answers), or
+``--env.prompts_path`` (JSONL of ``{"prompt", "reference"?}``). ``evaluate()`` answers the
+eval prompts at temperature 0 and reports ``eval/mean_rubric_score`` (judge rating in
+[-1, 1]), ``eval/win_rate_vs_reference`` and ``eval/judge_parse_failure_rate``.
+
+    python environments/rlaif_server.py serve --env.judge_base_url http://judge:8000/v1 \\
+        --env.judge_model_name Qwen/Qwen3-8B
+    python environments/rlaif_server.py process --env.total_steps 4
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.scoring.judge import (
+    DEFAULT_RUBRIC,
+    JudgeStats,
+    OpenAIJudge,
+    judge_pair,
+    judge_rubric,
+    score_group_pairwise,
+    score_group_rubric,
+)
+from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
+
+SYSTEM_PROMPT = "You are a helpful, honest and concise assistant."
+
+#: The shipped prompt set: (prompt, reference answer).
+PROMPTS: list[tuple[str, str]] = [
+    ("Explain in two sentences why the sky is blue.",
+     "Sunlight is scattered by the molecules in the air, and shorter (blue) wavelengths scatter "
+     "much more than longer ones (Rayleigh scattering). So blue light reaches our eyes from every "
+     "direction of the sky."),
+    ("Give three tips for getting better sleep.",
+     "1. Keep a regular schedule, even on weekends. 2. Avoid screens and caffeine in the hours "
+     "before bed. 3. Keep the bedroom dark, quiet and cool."),
+    ("Write a haiku about autumn rain.",
+     "Cold rain on red leaves / the gutter hums a slow song / the year exhales grey"),
+    ("What is the difference between weather and climate?",
+     "Weather is the short-term state of the atmosphere (today's rain or heat); climate is the "
+     "average pattern of weather in a region over decades."),
+    ("Summarize the plot of Romeo and Juliet in one sentence.",
+     "Two young lovers from feuding families in Verona marry in secret, and a chain of "
+     "misunderstandings ends in both of their deaths, which reconciles the families."),
+    ("How do I reverse a list in Python?",
+     "Use `my_list.reverse()` to reverse it in place, or `my_list[::-1]` / `list(reversed(my_list))` "
+     "for a reversed copy."),
+    ("Suggest a name for a coffee shop run by cats.", "The Purrcolator."),
+    ("Why do we have leap years?",
+     "A year (one orbit of the Sun) lasts about 365.24 days; adding a day every four years "
+     "(with century exceptions) keeps the calendar aligned with the seasons."),
+    ("Write a polite email declining a meeting invitation.",
+     "Hi Sam, thank you for the invitation. Unfortunately I can't attend on Thursday because of a "
+     "prior commitment. Could you share the notes afterwards? Best regards, Alex"),
+    ("What are the main causes of inflation?",
+     "Demand growing faster than supply (demand-pull), rising production costs such as energy or "
+     "wages (cost-push), and expectations of future inflation, often fed by money supply growth."),
+    ("Explain what a hash table is to a beginner.",
+     "A hash table stores key-value pairs. A hash function turns each key into an array index, so "
+     "looking a value up by its key is usually very fast, no matter how many items are stored."),
+    ("List the planets of the solar system in order from the Sun.",
+     "Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus, Neptune."),
+    ("Give me a simple recipe for pancakes.",
+     "Whisk 1 cup flour, 1 tbsp sugar, 2 tsp baking powder and a pinch of salt; add 1 cup milk, "
+     "1 egg and 2 tbsp melted butter; cook ladlefuls on a hot greased pan until bubbles form, "
+     "flip, and cook another minute."),
+    ("What is photosynthesis?",
+     "The process by which plants, algae and some bacteria use light energy to turn carbon "
+     "dioxide and water into glucose and oxygen."),
+    ("How can I politely ask a neighbour to keep the noise down?",
+     "Pick a calm moment, greet them, explain the specific problem (e.g. music after 11pm) and how "
+     "it affects you, and suggest a compromise, such as quieter hours on weeknights."),
+    ("Translate 'Where is the train station?' into French and Spanish.",
+     "French: Où est la gare ? Spanish: ¿Dónde está la estación de tren?"),
+    ("Explain the rule of thirds in photography.",
+     "Divide the frame into a 3x3 grid and place the subject or key lines along the grid lines or "
+     "their intersections rather than the centre; this usually gives a more balanced image."),
+    ("What should I pack for a one-day hike?",
+     "Water, snacks, a map or navigation app, sun protection, a rain layer, a small first-aid kit, "
+     "a charged phone and sturdy shoes."),
+    ("Describe the water cycle briefly.",
+     "Water evaporates from oceans and land, condenses into clouds, falls as precipitation, and "
+     "flows back through rivers and groundwater to the sea, where the cycle repeats."),
+    ("Write a two-line motivational message for a friend starting a new job.",
+     "You earned this and you're ready for it. Go learn, ask questions, and enjoy the new start!"),
+    ("Is a tomato a fruit or a vegetable?",
+     "Botanically a fruit (it develops from the flower and holds seeds); in cooking it is usually "
+     "treated as a vegetable."),
+    ("What is the Pythagorean theorem?",
+     "In a right triangle, the square of the hypotenuse equals the sum of the squares of the "
+     "other two sides: a² + b² = c²."),
+    ("Give two arguments for and two against working from home.",
+     "For: no commute, more flexible hours. Against: weaker separation of work and home, fewer "
+     "spontaneous conversations with colleagues."),
+    ("Explain recursion with a short example.",
+     "A recursive function calls itself on a smaller input until a base case. Example: "
+     "factorial(n) = 1 if n == 0 else n * factorial(n - 1)."),
+]  # fmt: skip
+
+
+def load_prompts(path: str | Path) -> list[dict[str, Any]]:
+    """Prompts from a JSONL file of ``{"prompt", "reference"?}`` (errors name the line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts_path: {path} does not exist")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"prompts_path: {path} line {i}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"prompts_path: {path} line {i}: needs a string 'prompt'")
+        rows.append({"prompt": row["prompt"], "reference": row.get("reference")})
+    if not rows:
+        raise ValueError(f"prompts_path: {path} holds no prompts")
+    return rows
+
+
+class RLAIFEnvConfig(BaseEnvConfig):
+    """Settings of the RLAIF environment."""
+
+    judge_base_url: str = Field(
+        default="http://localhost:9001/v1", description="OpenAI-compatible URL of the judge"
+    )
+    judge_model_name: str = Field(default="SmolLM2-135M-Instruct", description="Judge model")
+    judge_api_key: str = Field(default="x", description="API key of the judge endpoint")
+    judge_mode: Literal["pairwise", "rubric"] = Field(
+        default="pairwise", description="pairwise comparisons or a rubric rating per answer"
+    )
+    judge_swap: bool = Field(default=True, description="Judge each pair in both orders")
+    judge_retries: int = Field(default=1, ge=0, description="Retries of an unparseable reply")
+    judge_max_tokens: int = Field(default=512, ge=1, description="Judge generation budget")
+    judge_temperature: float = Field(default=0.0, ge=0.0, description="Judge temperature")
+    judge_concurrency: int = Field(default=8, ge=1, description="Judge requests in flight")
+    rubric: str = Field(default=DEFAULT_RUBRIC, description="Rubric of the rubric mode")
+    rubric_min: int = Field(default=1, description="Lowest rubric rating")
+    rubric_max: int = Field(default=10, description="Highest rubric rating")
+    prompts_path: str | None = Field(
+        default=None, description="JSONL of {prompt, reference?} instead of the shipped set"
+    )
+    max_answer_tokens: int = Field(default=256, ge=1, description="Policy generation budget")
+    temperature: float = Field(default=1.0, ge=0.0, description="Policy sampling temperature")
+    num_eval_prompts: int = Field(default=8, ge=1, description="Prompts evaluate() answers")
+    seed: int = Field(default=0, description="Shuffle seed of the prompts")
+
+
+class RLAIFEnv(BaseEnv):
+    """Open-ended answers scored by an LLM judge (pairwise or rubric)."""
+
+    name = "rlaif"
+    env_config_cls = RLAIFEnvConfig
+
+    @classmethod
+    def config_init(cls) -> tuple[RLAIFEnvConfig, list[APIServerConfig]]:
+        env_config = RLAIFEnvConfig(
+            tokenizer_name="SmolLM2-135M-Instruct",
+            group_size=4,
+            use_wandb=False,
+            rollout_server_url="http://localhost:8000",
+            max_token_length=1024,
+            total_steps=100,
+            batch_size=16,
+            steps_per_eval=50,
+            wandb_name="rlaif",
+            ensure_scores_are_not_same=False,
+        )
+        servers = [
+            APIServerConfig(
+                model_name="SmolLM2-135M-Instruct",
+                base_url="http://localhost:9001/v1",
+                api_key="x",
+                server_type="vllm",
+                num_requests_for_eval=8,
+                timeout=300,
+            )
+        ]
+        return env_config, servers
+
+    async def setup(self) -> None:
+        cfg = self.config
+        if cfg.rubric_max <= cfg.rubric_min:
+            raise ValueError("rubric_max: must be greater than rubric_min")
+        if cfg.prompts_path:
+            rows = load_prompts(cfg.prompts_path)
+        else:
+            rows = [{"prompt": p, "reference": r} for p, r in PROMPTS]
+        random.Random(cfg.seed).shuffle(rows)
+        n_eval = min(cfg.num_eval_prompts, max(1, len(rows) // 3))
+        self.eval_rows, self.train_rows = rows[:n_eval], rows[n_eval:] or rows
+        self.client = OpenAIJudge(
+            cfg.judge_base_url,
+            cfg.judge_model_name,
+            api_key=cfg.judge_api_key,
+            temperature=cfg.judge_temperature,
+            max_tokens=cfg.judge_max_tokens,
+        )
+        self._judge_sem = asyncio.Semaphore(cfg.judge_concurrency)
+        self.judge_stats = JudgeStats()
+        self.iter = 0
+        self.score_buffer: list[float] = []
+
+    async def judge(self, messages: list[dict[str, str]], n: int = 1) -> list[str]:
+        """The judge endpoint, with bounded concurrency (a ``JudgeFn``)."""
+        async with self._judge_sem:
+            return await self.client(messages, n)
+
+    async def get_next_item(self) -> dict[str, Any]:
+        row = self.train_rows[self.iter % len(self.train_rows)]
+        self.iter += 1
+        return row
+
+    def _messages(self, prompt: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+
+    def _uses_token_server(self) -> bool:
+        server = self.server.servers[0] if self.server.servers else None
+        return bool(getattr(server, "provides_token_logprobs", False))
+
+    async def score_answers(self, prompt: str, answers: list[str]) -> list[float]:
+        """Judge scores in [-1, 1] for ``answers`` to ``prompt`` (per ``judge_mode``)."""
+        cfg = self.config
+        if cfg.judge_mode == "pairwise":
+            return await score_group_pairwise(
+                self.judge, prompt, answers, swap=cfg.judge_swap, retries=cfg.judge_retries,
+                stats=self.judge_stats,
+            )  # fmt: skip
+        return await score_group_rubric(
+            self.judge, prompt, answers, rubric=cfg.rubric, scale=(cfg.rubric_min, cfg.rubric_max),
+            retries=cfg.judge_retries, stats=self.judge_stats,
+        )  # fmt: skip
+
+    async def collect_trajectories(
+        self, item: dict[str, Any]
+    ) -> tuple[ScoredDataGroup | None, list]:
+        messages = self._messages(item["prompt"])
+        kwargs = {
+            "messages": messages,
+            "n": self.config.group_size,
+            "max_tokens": self.config.max_answer_tokens,
+            "temperature": self.config.temperature,
+        }
+        group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
+        texts: list[str] = []
+        if self._uses_token_server():
+            async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+                reply = await managed.chat_completion(**kwargs)
+                nodes = managed.get_state()["nodes"]
+            group["inference_logprobs"] = []
+            for choice, node in zip(reply.choices, nodes, strict=True):
+                texts.append(choice.message.content or "")
+                group["tokens"].append(list(node.tokens))
+                group["masks"].append(list(node.masked_tokens))
+                group["inference_logprobs"].append(list(node.logprobs))
+        else:
+            reply = await self.server.chat_completion(**kwargs)
+            for choice in reply.choices:
+                text = choice.message.content or ""
+                texts.append(text)
+                out = tokenize_for_trainer(
+                    self.tokenizer,
+                    [*messages, {"role": "assistant", "content": text}],
+                    finish_reason=choice.finish_reason or "",
+                )
+                group["tokens"].append(out["tokens"])
+                group["masks"].append(out["masks"])
+        group["scores"] = [float(s) for s in await self.score_answers(item["prompt"], texts)]
+        group["messages"] = [[*messages, {"role": "assistant", "content": t}] for t in texts]
+        n = len(texts)
+        group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
+        self.score_buffer.extend(group["scores"])
+        return group, []
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        cfg = self.config
+        start = time.time()
+        stats = JudgeStats()
+        scale = (cfg.rubric_min, cfg.rubric_max)
+
+        async def one(row: dict[str, Any]) -> dict[str, Any]:
+            reply = await self.server.chat_completion(
+                messages=self._messages(row["prompt"]),
+                n=1,
+                max_tokens=cfg.max_answer_tokens,
+                temperature=0.0,
+                split="eval",
+            )
+            answer = reply.choices[0].message.content or ""
+            rating = await judge_rubric(
+                self.judge, row["prompt"], answer, rubric=cfg.rubric, scale=scale,
+                reference=row.get("reference"), retries=cfg.judge_retries, stats=stats,
+            )  # fmt: skip
+            win = None
+            if row.get("reference"):
+                win = await judge_pair(
+                    self.judge, row["prompt"], answer, row["reference"],
+                    swap=cfg.judge_swap, retries=cfg.judge_retries, stats=stats,
+                )  # fmt: skip
+            return {"prompt": row["prompt"], "answer": answer, "rating": rating, "win": win}
+
+        results = await asyncio.gather(*(one(r) for r in self.eval_rows))
+        low, high = scale
+        norm = [
+            0.0 if r["rating"] is None else 2 * (r["rating"] - low) / (high - low) - 1
+            for r in results
+        ]
+        wins = [r["win"] for r in results if r["win"] is not None]
+        metrics = {
+            "eval/mean_rubric_score": sum(norm) / len(norm),
+            "eval/rated_fraction": sum(r["rating"] is not None for r in results) / len(results),
+            "eval/judge_parse_failure_rate": stats.as_metrics()["judge/parse_failure_rate"],
+        }
+        if wins:
+            metrics["eval/win_rate_vs_reference"] = sum(wins) / len(wins)
+        samples = [
+            {
+                "question": r["prompt"],
+                "response": r["answer"],
+                "judge_rating": r["rating"],
+                "win_vs_reference": r["win"],
+                "score": s,
+            }
+            for r, s in zip(results, norm, strict=True)
+        ]
+        await self.evaluate_log(
+            metrics,
+            samples=samples,
+            start_time=start,
+            end_time=time.time(),
+            generation_parameters={"temperature": 0.0, "max_tokens": cfg.max_answer_tokens},
+        )
+        return metrics
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        wandb_metrics = dict(wandb_metrics or {})
+        if self.score_buffer:
+            wandb_metrics["train/mean_judge_score"] = sum(self.score_buffer) / len(
+                self.score_buffer
+            )
+            self.score_buffer = []
+        if hasattr(self, "judge_stats"):
+            wandb_metrics.update(self.judge_stats.as_metrics())
+        await super().wandb_log(wandb_metrics)
+
+
+if __name__ == "__main__":
+    RLAIFEnv.cli()
