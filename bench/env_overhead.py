@@ -212,7 +212,14 @@ class Puller(threading.Thread):
 
 
 def measure(
-    label: str, python: str, api_url: str, stub_url: str, tokenizer: str, seconds: float, cwd: str
+    label: str,
+    python: str,
+    api_url: str,
+    stub_url: str,
+    tokenizer: str,
+    seconds: float,
+    cwd: str,
+    profile_dir: str | None = None,
 ) -> dict:
     puller = Puller(api_url)
     puller.start()
@@ -241,6 +248,26 @@ def measure(
                 raise RuntimeError(f"{label}: no data after 120 s")
             time.sleep(0.05)
         time.sleep(1.0)  # warm-up
+        profiler = None
+        if profile_dir:
+            profiler = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--nonblocking",
+                    "-f",
+                    "raw",
+                    "-r",
+                    "200",
+                    "-d",
+                    str(int(seconds)),
+                    "-o",
+                    f"{profile_dir}/{label}.txt",
+                    "--pid",
+                    str(proc.pid),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
         seq0, cpu0, t0 = (
             puller.sequences + puller.queued_sequences(),
             _cpu_seconds(proc.pid),
@@ -252,6 +279,8 @@ def measure(
             _cpu_seconds(proc.pid),
             time.monotonic(),
         )
+        if profiler is not None:
+            profiler.wait(30)
     finally:
         proc.kill()
         proc.wait()
@@ -271,6 +300,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=15.0, help="Measuring window per library")
     parser.add_argument("--upstream-python", default="/tmp/upstream-venv/bin/python")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="py-spy the env process into DIR/<library>.txt"
+    )
     args = parser.parse_args()
 
     from atroposlib.inference.models import smollm2_tokenizer_dir
@@ -299,7 +331,16 @@ def main() -> None:
         _wait_http(api_url + "/info")
         _wait_http(f"http://127.0.0.1:{stub_port}/")
         rows = [
-            measure("ours", sys.executable, api_url, stub_url, tokenizer, args.seconds, str(REPO))
+            measure(
+                "ours",
+                sys.executable,
+                api_url,
+                stub_url,
+                tokenizer,
+                args.seconds,
+                str(REPO),
+                args.profile,
+            )
         ]
         if Path(args.upstream_python).exists():
             rows.append(
@@ -311,6 +352,7 @@ def main() -> None:
                     tokenizer,
                     args.seconds,
                     "/",
+                    args.profile,
                 )
             )
     finally:

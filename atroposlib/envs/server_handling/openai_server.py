@@ -1,13 +1,29 @@
-"""``OpenAIServer``: any OpenAI-compatible endpoint, through ``openai.AsyncClient``."""
+"""``OpenAIServer``: any OpenAI-compatible endpoint.
+
+Plain (non-streaming) chat and text completions go through a lean keep-alive ``aiohttp``
+path (``LeanOpenAIClient``) that returns the SDK's own ``ChatCompletion`` / ``Completion``
+objects and raises the SDK's own exceptions; anything that path does not handle (streaming,
+arguments it does not know, bodies that are not plain JSON) goes through ``openai.AsyncClient``
+(``server.openai``), unchanged. The lean path exists because the SDK's request pipeline
+(transforms, httpx connection-pool bookkeeping, lenient response construction) costs several
+milliseconds of CPU per request, which dominated the runtime overhead of rollouts.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import logging
+import sys
 import warnings
 from typing import Any, ClassVar
 
+import aiohttp
 import openai
+import pydantic
+from openai.resources.chat.completions import AsyncCompletions as _AsyncChatCompletions
+from openai.resources.completions import AsyncCompletions as _AsyncTextCompletions
 from openai.types.chat.chat_completion import ChatCompletion
 from openai.types.completion import Completion
 
@@ -18,7 +34,161 @@ from atroposlib.envs.server_handling.server_baseline import (
     ServerBaseline,
 )
 
-__all__ = ["APIServerConfig", "OpenAIServer", "ServerConfigError", "resolve_openai_configs"]
+__all__ = [
+    "APIServerConfig",
+    "LeanOpenAIClient",
+    "OpenAIServer",
+    "ServerConfigError",
+    "resolve_openai_configs",
+]
+
+_NOT_SENT = tuple(
+    t for t in (getattr(openai, "NotGiven", None), getattr(openai, "Omit", None)) if t
+)
+
+
+def _sdk_params(method: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(method).parameters) - {"self"}
+
+
+class LeanOpenAIClient:
+    """A minimal client for ``POST {base_url}/chat/completions`` and ``/completions``.
+
+    Same wire request as the SDK (JSON body of the keyword arguments, ``extra_body`` merged
+    in, ``extra_headers`` added, the SDK client's default and auth headers), same results
+    (``ChatCompletion`` / ``Completion``, validated, or built leniently like the SDK does when
+    a provider's answer does not validate) and same errors (``openai.APIStatusError``
+    subclasses, ``openai.APIConnectionError``, ``openai.APITimeoutError``), at a fraction of
+    the CPU. ``create`` returns ``None`` for requests it leaves to the SDK.
+
+    Args:
+        sdk: The ``openai.AsyncClient`` whose base URL, API key, headers and timeout are used.
+    """
+
+    _ROUTES: ClassVar[dict[str, tuple[str, type, frozenset[str]]]] = {
+        "chat": ("chat/completions", ChatCompletion, _sdk_params(_AsyncChatCompletions.create)),
+        "text": ("completions", Completion, _sdk_params(_AsyncTextCompletions.create)),
+    }
+
+    def __init__(self, sdk: openai.AsyncClient) -> None:
+        self.sdk = sdk
+        self.base_url = str(sdk.base_url).rstrip("/")
+        headers = {k: v for k, v in dict(sdk.default_headers).items() if isinstance(v, str)}
+        if sdk.api_key:
+            headers["Authorization"] = f"Bearer {sdk.api_key}"
+        self.headers = headers
+        timeout = sdk.timeout
+        self.timeout = float(timeout) if isinstance(timeout, (int, float)) else None
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1000, loop=loop),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                json_serialize=json.dumps,
+            )
+            self._loop = loop
+        return self._session
+
+    async def create(self, kind: str, kwargs: dict[str, Any]) -> Any:
+        """Send one ``kind`` (``"chat"`` or ``"text"``) request; ``None`` if the SDK should."""
+        route, model_cls, params = self._ROUTES[kind]
+        body: dict[str, Any] = {}
+        headers = self.headers
+        timeout: Any = None
+        for key, value in kwargs.items():
+            if key not in params or key in ("stream", "extra_query"):
+                if key == "stream" and not value:
+                    continue
+                return None  # streaming, query params, or a TypeError the SDK should raise
+            if _NOT_SENT and isinstance(value, _NOT_SENT):
+                continue
+            if key == "extra_body":
+                if value is not None:
+                    if not isinstance(value, dict):
+                        return None
+                    body.update(value)
+            elif key == "extra_headers":
+                if value:
+                    headers = {**headers, **value}
+                    headers = {k: v for k, v in headers.items() if isinstance(v, str)}
+            elif key == "timeout":
+                if value is not None and not isinstance(value, (int, float)):
+                    return None
+                timeout = value
+            else:
+                body[key] = value
+        try:
+            data = json.dumps(body).encode()
+        except (TypeError, ValueError):
+            return None  # pydantic objects, iterators...: the SDK knows how to send those
+        url = f"{self.base_url}/{route}"
+        session = self._get_session()
+        extra: dict[str, Any] = {}
+        if timeout is not None:
+            extra["timeout"] = aiohttp.ClientTimeout(total=float(timeout))
+        try:
+            async with session.post(url, data=data, headers=headers, **extra) as response:
+                raw = await response.read()
+                status = response.status
+                resp_headers = dict(response.headers)
+        except asyncio.TimeoutError as exc:
+            raise openai.APITimeoutError(request=self._request(url, headers, data)) from exc
+        except aiohttp.ClientError as exc:
+            raise openai.APIConnectionError(
+                message=f"Connection error: {exc}", request=self._request(url, headers, data)
+            ) from exc
+        if status >= 400:
+            raise self._status_error(url, headers, data, status, resp_headers, raw)
+        payload = json.loads(raw)
+        try:
+            return model_cls.model_validate(payload)
+        except pydantic.ValidationError:
+            # as lenient as the SDK: build what is there without validating
+            from openai._models import construct_type
+
+            return construct_type(type_=model_cls, value=payload)
+
+    def _httpx(self) -> Any:
+        # the httpx flavour the SDK is built on (httpx or httpx2, by SDK version)
+        for cls in type(self.sdk._client).__mro__:
+            top = cls.__module__.split(".")[0]
+            if top.startswith("httpx"):
+                return sys.modules[top]
+        raise RuntimeError("cannot find the SDK's httpx module")
+
+    def _request(self, url: str, headers: dict[str, str], data: bytes) -> Any:
+        return self._httpx().Request("POST", url, headers=headers, content=data)
+
+    def _status_error(
+        self,
+        url: str,
+        headers: dict[str, str],
+        data: bytes,
+        status: int,
+        resp_headers: dict[str, str],
+        raw: bytes,
+    ) -> Exception:
+        httpx_mod = self._httpx()
+        response = httpx_mod.Response(
+            status,
+            headers=resp_headers,
+            content=raw,
+            request=self._request(url, headers, data),
+        )
+        return self.sdk._make_status_error_from_response(response)
+
+    async def close(self) -> None:
+        """Close the keep-alive connections."""
+        if self._session is not None and not self._session.closed:
+            try:
+                await self._session.close()
+            except RuntimeError:  # its event loop is gone: nothing left to close
+                pass
+        self._session = None
 
 
 class OpenAIServer(APIServer):
@@ -42,11 +212,13 @@ class OpenAIServer(APIServer):
             timeout=config.timeout,
             max_retries=0,  # retries are ours (APIServer._run)
         )
+        self.lean = LeanOpenAIClient(self.openai)
         super().__init__(config, reasoning_config=reasoning_config)
 
     async def close(self) -> None:
-        """Stop the health loop and close the HTTP client."""
+        """Stop the health loop and close the HTTP clients."""
         await super().close()
+        await self.lean.close()
         await self.openai.close()
 
     async def _completion_probe(self, chat_completion: bool = True) -> None:
@@ -64,12 +236,16 @@ class OpenAIServer(APIServer):
     async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
         assert kwargs.get("model") is not None, "Model is required for chat completion!"
         assert kwargs.get("messages") is not None, "Messages are required for chat completion!"
-        return await create_n_choices(self.config, self.openai.chat.completions.create, kwargs)
+        return await create_n_choices(
+            self.config, _creator(self, "chat", self.openai.chat.completions.create), kwargs
+        )
 
     async def _completion_wrapper(self, **kwargs: Any) -> Completion:
         assert kwargs.get("model") is not None, "Model is required for completion!"
         assert kwargs.get("prompt") is not None, "Prompt is required for completion!"
-        return await create_n_choices(self.config, self.openai.completions.create, kwargs)
+        return await create_n_choices(
+            self.config, _creator(self, "text", self.openai.completions.create), kwargs
+        )
 
     async def _tokens_and_logprobs_completion_wrapper(
         self, **kwargs: Any
@@ -78,6 +254,22 @@ class OpenAIServer(APIServer):
             "Tokens and logprobs not supported by base OpenAI API, use specific API servers "
             "(server_type='vllm' or 'sglang')."
         )
+
+
+def _creator(server: Any, kind: str, sdk_create: Any) -> Any:
+    """``create(**kwargs)`` through the server's lean client, or the SDK when the lean client
+    declines (or the server has none: wrappers may be called on bare namespaces)."""
+    lean = getattr(server, "lean", None)
+    if not isinstance(lean, LeanOpenAIClient):
+        return sdk_create
+
+    async def create(**kwargs: Any) -> Any:
+        result = await lean.create(kind, kwargs)
+        if result is None:
+            result = await sdk_create(**kwargs)
+        return result
+
+    return create
 
 
 async def create_n_choices(config: Any, create: Any, kwargs: dict[str, Any]) -> Any:
