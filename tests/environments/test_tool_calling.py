@@ -183,3 +183,15 @@ def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) ->
     for group in groups:
         assert all(-1.0 <= s <= 1.0 for s in group["scores"])
         assert "<tools>" in group["messages"][0][0]["content"]
+
+
+def test_example_config_resolves() -> None:
+    from atroposlib.envs.cli import resolve_config
+
+    resolved = resolve_config(
+        ToolCallingEnv,
+        ["serve", "--config", str(REPO / "environments" / "configs" / "example.yaml")],
+    )
+    assert resolved.env_config.tool_format == "hermes"
+    assert resolved.env_config.max_turns == 4
+    assert resolved.server_configs[0].base_url == "http://localhost:9001/v1"
