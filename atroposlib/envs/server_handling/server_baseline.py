@@ -139,7 +139,9 @@ class AsyncSemWithAdaptiveWeight:
 
     def locked(self) -> bool:
         """True if ``acquire()`` would wait."""
-        return self._value <= self.min_val() or any(not w.done() for w in self._waiters)
+        if self._value <= self.min_val():
+            return True
+        return bool(self._waiters) and any(not w.done() for w in self._waiters)
 
     async def acquire(self) -> bool:
         """Take one slot, waiting while none is free."""
