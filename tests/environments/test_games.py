@@ -18,6 +18,7 @@ from game_environments.gymnasium.blackjack.blackjack_env import (  # noqa: E402
 )
 from game_environments.gymnasium.gym_taxi import ACTIONS, TaxiGame  # noqa: E402
 from game_environments.text_game import parse_action  # noqa: E402
+from game_environments.textworld_env.textworld_env import TextWorldGame  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -102,22 +103,47 @@ def test_blackjack_outcomes_and_forfeit() -> None:
     assert game.score() == -1.0  # never finished
 
 
+def test_textworld_walkthrough_wins_and_progress_scores(tmp_path: Path) -> None:
+    game = TextWorldGame(tmp_path, num_games=1)
+    first = game.reset(123)
+    assert "Objective:" in first and "Commands you can use:" in first
+    assert game.score() == -1.0  # no progress yet
+    plan = list(game.state["policy_commands"])
+    assert parse_action(f"Action: {plan[0]}", game.actions) == plan[0]
+    done = False
+    steps = 0
+    for command in plan:
+        observation, done = game.step(command)
+        steps += 1
+        if done:
+            break
+        assert -1.0 <= game.score() < 1.0
+    assert done and game.success and game.score() == 1.0 and "won" in observation
+    assert steps == len(plan)
+    assert (tmp_path / "tw_r2_o3_q2_s0.z8").is_file()  # cached for the next reset
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "turns"),
     [
         ("game_environments/gymnasium/gym_taxi.py", "3"),
         ("game_environments/gymnasium/blackjack/blackjack_env.py", "3"),
+        ("game_environments/textworld_env/textworld_env.py", "2"),
     ],
 )
 def test_process_end_to_end(
     tiny_serve, tiny_model_dir: Path, tmp_path: Path, script, turns
 ) -> None:
+    extra = []
+    if "textworld" in script:
+        extra = ["--env.games_dir", str(tmp_path / "games"), "--env.num_games", "1"]
     groups = run_process(
         script,
         tmp_path,
         tiny_serve,
         tiny_model_dir,
+        *extra,
         "--env.total_steps",
         "2",
         "--env.group_size",
