@@ -30,9 +30,11 @@ so it does not import this checkout)::
 
 Notes: upstream's ``env_manager`` polls ``/status-env`` and sleeps 0.1 s per loop before
 refilling workers; ours refills a worker the moment one finishes. With ``--workers 256``
-upstream's rate did not change, so it is bound by its CPU per rollout, not the worker count. Measured on the shared 2-core
-workstation (load average about 3 from other engineers' jobs), 2026-11-23, ``--seconds 8
---rounds 2 --baseline-repo`` (the revision before the lean OpenAI request path), medians:
+upstream's rate did not change, so it is bound by its CPU per rollout, not the worker count.
+
+Measured on the shared 2-core workstation (load average about 3 from other engineers' jobs),
+2026-11-23, ``--seconds 8 --rounds 2 --baseline-repo`` (the revision before the lean OpenAI
+request path), medians:
 
     ours       1517 rollouts/s   0.49 ms env CPU per rollout
     upstream    140 rollouts/s   4.84 ms               -> 10.8x upstream's rollouts/s

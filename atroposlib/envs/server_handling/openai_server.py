@@ -12,9 +12,11 @@ milliseconds of CPU per request, which dominated the runtime overhead of rollout
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
+import ssl
 import sys
 import warnings
 from typing import Any, ClassVar
@@ -45,6 +47,15 @@ __all__ = [
 _NOT_SENT = tuple(
     t for t in (getattr(openai, "NotGiven", None), getattr(openai, "Omit", None)) if t
 )
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext | bool:
+    try:
+        import certifi
+    except ImportError:
+        return True  # aiohttp's default verification
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def _sdk_params(method: Any) -> frozenset[str]:
@@ -82,13 +93,19 @@ class LeanOpenAIClient:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _get_session(self) -> aiohttp.ClientSession:
+    def session(self) -> aiohttp.ClientSession:
+        """The keep-alive ``aiohttp`` session of the running event loop (made on first use).
+
+        Like the SDK's httpx client it honours ``HTTP(S)_PROXY``/``NO_PROXY`` and verifies TLS
+        against certifi's bundle when certifi is installed.
+        """
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1000, loop=loop),
+                connector=aiohttp.TCPConnector(limit=1000, ssl=_ssl_context()),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 json_serialize=json.dumps,
+                trust_env=True,
             )
             self._loop = loop
         return self._session
@@ -126,7 +143,7 @@ class LeanOpenAIClient:
         except (TypeError, ValueError):
             return None  # pydantic objects, iterators...: the SDK knows how to send those
         url = f"{self.base_url}/{route}"
-        session = self._get_session()
+        session = self.session()
         extra: dict[str, Any] = {}
         if timeout is not None:
             extra["timeout"] = aiohttp.ClientTimeout(total=float(timeout))

@@ -13,6 +13,7 @@ import aiohttp
 from transformers import AutoTokenizer
 
 from atroposlib.envs.server_handling.openai_server import (  # noqa: F401 - re-exported
+    LeanOpenAIClient,
     OpenAIServer,
     resolve_openai_configs,
 )
@@ -55,15 +56,22 @@ class VLLMServer(OpenAIServer):
 
     async def _post_generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         url = f"{server_root(self.config.base_url or '')}/generate"
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(
-                url,
-                json=payload,
-                headers=self._headers(),
-                timeout=aiohttp.ClientTimeout(total=self.config.timeout),
-            ) as response,
-        ):
+        lean = getattr(self, "lean", None)
+        if isinstance(lean, LeanOpenAIClient):
+            # the server's keep-alive pool: no new connection per request
+            return await self._read_generate(lean.session(), url, payload)
+        async with aiohttp.ClientSession() as session:
+            return await self._read_generate(session, url, payload)
+
+    async def _read_generate(
+        self, session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
+    ) -> dict[str, Any]:
+        async with session.post(
+            url,
+            json=payload,
+            headers=self._headers(),
+            timeout=aiohttp.ClientTimeout(total=self.config.timeout),
+        ) as response:
             if response.status >= 400:
                 text = await response.text()
                 raise aiohttp.ClientResponseError(
