@@ -18,6 +18,8 @@ import json
 import logging
 import ssl
 import sys
+import urllib.parse
+import urllib.request
 import warnings
 from typing import Any, ClassVar
 
@@ -47,6 +49,17 @@ __all__ = [
 _NOT_SENT = tuple(
     t for t in (getattr(openai, "NotGiven", None), getattr(openai, "Omit", None)) if t
 )
+
+
+def env_proxy_for(url: str) -> str | None:
+    """The proxy the environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``,
+    ``NO_PROXY``) sets for ``url``, as httpx would use it; None for a direct connection."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+        return None
+    return proxy
 
 
 @functools.cache
@@ -90,14 +103,17 @@ class LeanOpenAIClient:
         self.headers = headers
         timeout = sdk.timeout
         self.timeout = float(timeout) if isinstance(timeout, (int, float)) else None
+        #: The ``HTTP(S)_PROXY`` for ``base_url`` (None under ``NO_PROXY`` or when unset), read
+        #: once: aiohttp's ``trust_env`` would re-read the environment and netrc per request.
+        self.proxy = env_proxy_for(self.base_url)
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def session(self) -> aiohttp.ClientSession:
         """The keep-alive ``aiohttp`` session of the running event loop (made on first use).
 
-        Like the SDK's httpx client it honours ``HTTP(S)_PROXY``/``NO_PROXY`` and verifies TLS
-        against certifi's bundle when certifi is installed.
+        It verifies TLS against certifi's bundle when certifi is installed, like the SDK's
+        httpx client; requests to ``base_url``'s host should pass ``proxy=self.proxy``.
         """
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
@@ -105,7 +121,6 @@ class LeanOpenAIClient:
                 connector=aiohttp.TCPConnector(limit=1000, ssl=_ssl_context()),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 json_serialize=json.dumps,
-                trust_env=True,
             )
             self._loop = loop
         return self._session
@@ -145,6 +160,8 @@ class LeanOpenAIClient:
         url = f"{self.base_url}/{route}"
         session = self.session()
         extra: dict[str, Any] = {}
+        if self.proxy is not None:
+            extra["proxy"] = self.proxy
         if timeout is not None:
             extra["timeout"] = aiohttp.ClientTimeout(total=float(timeout))
         try:

@@ -59,18 +59,23 @@ class VLLMServer(OpenAIServer):
         lean = getattr(self, "lean", None)
         if isinstance(lean, LeanOpenAIClient):
             # the server's keep-alive pool: no new connection per request
-            return await self._read_generate(lean.session(), url, payload)
-        async with aiohttp.ClientSession() as session:
+            return await self._read_generate(lean.session(), url, payload, lean.proxy)
+        async with aiohttp.ClientSession(trust_env=True) as session:
             return await self._read_generate(session, url, payload)
 
     async def _read_generate(
-        self, session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        payload: dict[str, Any],
+        proxy: str | None = None,
     ) -> dict[str, Any]:
         async with session.post(
             url,
             json=payload,
             headers=self._headers(),
             timeout=aiohttp.ClientTimeout(total=self.config.timeout),
+            proxy=proxy,
         ) as response:
             if response.status >= 400:
                 text = await response.text()

@@ -15,6 +15,7 @@ from atroposlib.envs.server_handling.openai_server import (
     APIServerConfig,
     LeanOpenAIClient,
     OpenAIServer,
+    env_proxy_for,
 )
 from tests.conftest import free_port
 from tests.envs.server_handling.conftest import serve_app
@@ -171,3 +172,17 @@ async def test_unknown_arguments_go_to_the_sdk() -> None:
             assert seen[0]["body"]["messages"] == MESSAGES
         finally:
             await server.close()
+
+
+def test_proxy_comes_from_the_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.lower(), raising=False)
+    assert env_proxy_for("https://api.openai.com/v1") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.local:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+    assert env_proxy_for("https://api.openai.com/v1") == "http://proxy.local:3128"
+    assert env_proxy_for("http://api.example.com/v1") is None  # no HTTP_PROXY
+    assert env_proxy_for("https://127.0.0.1:9000/v1") is None
+    lean = LeanOpenAIClient(openai.AsyncClient(api_key="k", base_url="https://api.openai.com/v1"))
+    assert lean.proxy == "http://proxy.local:3128"
