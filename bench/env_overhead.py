@@ -32,15 +32,19 @@ Notes: upstream's ``env_manager`` polls ``/status-env`` and sleeps 0.1 s per loo
 refilling workers; ours refills a worker the moment one finishes. With ``--workers 256``
 upstream's rate did not change, so it is bound by its CPU per rollout, not the worker count.
 
-Measured on the shared 2-core workstation (load average about 3 from other engineers' jobs),
-2026-11-23, ``--seconds 8 --rounds 2 --baseline-repo`` (the revision before the lean OpenAI
-request path), medians:
+Measured on the shared 2-core workstation (load average 0.8-1.7, other engineers' jobs
+running), 2026-11-23, ``--seconds 10 --rounds 2 --baseline-repo`` (the revision before the lean
+OpenAI request path, db00061), medians:
 
-    ours       1517 rollouts/s   0.49 ms env CPU per rollout
-    upstream    140 rollouts/s   4.84 ms               -> 10.8x upstream's rollouts/s
-    baseline    204 rollouts/s   3.92 ms  (ours before: 1.5x upstream)
+    ours       2694 rollouts/s   0.36 ms env CPU per rollout
+    upstream    191 rollouts/s   4.30 ms               -> 14.1x upstream's rollouts/s
+    baseline    301 rollouts/s   3.32 ms  (ours before: 1.6x upstream)
 
-(stub 0.04-0.2 ms, run-api 0.1-0.7 ms, puller 0.1-0.8 ms CPU per rollout alongside.)
+(stub 0.03-0.15 ms, run-api 0.1-0.65 ms, puller 0.07-0.64 ms CPU per rollout alongside.)
+The profile before showed about 75% of the env's CPU in the OpenAI SDK's request pipeline
+(httpx connection-pool scans, request transforms, lenient response construction at about
+0.3 ms per ``ChatCompletion``) and tenacity's per-call retry machinery; see
+``atroposlib/envs/server_handling/openai_server.py`` for the lean path that replaced it.
 """
 
 from __future__ import annotations
