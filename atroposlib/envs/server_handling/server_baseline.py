@@ -127,11 +127,28 @@ class AsyncSemWithAdaptiveWeight:
         self.max_val = value
         self.weight = 1.0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        #: Futures resolved on the next release or weight change (see ``notify_on_release``).
+        self._release_listeners: list[asyncio.Future] = []
 
     def update_weight(self, weight: float) -> None:
         """Set the share of this semaphore the owner may use; wakes waiters it frees."""
         self.weight = weight
         self._wake_up_waiters()
+        self._notify_listeners()
+
+    def notify_on_release(self, future: asyncio.Future) -> None:
+        """Resolve ``future`` (with None) at the next ``release`` or ``update_weight``: lets
+        someone who watches several semaphores sleep until a slot may have freed."""
+        if len(self._release_listeners) >= 256:  # drop the ones given up on (timed out)
+            self._release_listeners = [f for f in self._release_listeners if not f.done()]
+        self._release_listeners.append(future)
+
+    def _notify_listeners(self) -> None:
+        if self._release_listeners:
+            listeners, self._release_listeners = self._release_listeners, []
+            for fut in listeners:
+                if not fut.done():
+                    fut.set_result(None)
 
     def min_val(self) -> float:
         """The floor the counter cannot be taken below."""
@@ -167,6 +184,7 @@ class AsyncSemWithAdaptiveWeight:
         """Give one slot back and wake a waiter if the floor allows."""
         self._value += 1
         self._wake_up_waiters()
+        self._notify_listeners()
 
     def _wake_up_waiters(self) -> None:
         # A woken waiter's slot is taken here, so nobody can overtake it.

@@ -48,6 +48,8 @@ SERVER_CLASSES: dict[str, type[APIServer]] = {
 LOCAL_PORTS = range(9004, 9008)
 #: GPUs per inference node under SLURM; servers use ports 9000 + i.
 GPUS_PER_NODE = 8
+#: Fallback re-check interval of ``ServerManager.wait_for_sem`` (releases wake it at once).
+SEM_POLL_INTERVAL = 0.1
 
 
 class ServerManagerConfig(BaseModel):
@@ -233,9 +235,21 @@ class ServerManager:
         return slots
 
     async def wait_for_sem(self, is_training: bool) -> None:
-        """Wait until some server has a free slot (train slots exclude eval slots in use)."""
+        """Wait until some server has a free slot (train slots exclude eval slots in use).
+
+        Woken as soon as any server's semaphore is released or reweighted, with a re-check
+        every ``SEM_POLL_INTERVAL`` seconds as a fallback (health or foreign semaphores)."""
         while all(slot <= 0 for slot in self._available_slots(is_training)):
-            await asyncio.sleep(0.1)
+            freed = asyncio.get_running_loop().create_future()
+            for server in self.servers:
+                for sem in (getattr(server, "sem", None), getattr(server, "eval_sem", None)):
+                    notify = getattr(sem, "notify_on_release", None)
+                    if notify is not None:
+                        notify(freed)
+            try:
+                await asyncio.wait_for(freed, SEM_POLL_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
 
     def _most_available_index(self, is_training: bool = True) -> int:
         """The healthy server with the most free raw slots (lowest index on ties; 0 when

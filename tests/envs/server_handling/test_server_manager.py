@@ -342,3 +342,18 @@ def test_resolve_openai_configs() -> None:
         resolve_openai_configs(pair, {}, {}, {"openai.base_url": "x"}, log)
     assert info.value.exit_code == 2
     assert resolve_vllm_configs is resolve_openai_configs
+
+
+async def test_wait_for_sem_wakes_on_release_not_on_a_poll(monkeypatch: Any) -> None:
+    from atroposlib.envs.server_handling import server_manager
+
+    monkeypatch.setattr(server_manager, "SEM_POLL_INTERVAL", 60.0)
+    manager = harness_manager(2, slots=1)
+    for server in manager.servers:
+        await server.sem.acquire()
+    waiter = asyncio.create_task(manager.chat_completion(messages=MESSAGES))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    manager.servers[1].sem.release()  # the second server frees a slot: no 60 s poll needed
+    await asyncio.wait_for(waiter, 5)
+    assert [len(s.calls) for s in manager.servers] == [0, 1]
