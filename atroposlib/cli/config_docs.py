@@ -115,7 +115,8 @@ def update(text: str) -> str:
             raise SystemExit(
                 f"CONFIG.md has no <!-- BEGIN {name} --> ... <!-- END {name} --> block"
             )
-        table = render()
+        # Defaults that depend on the machine (the running interpreter) are written generically.
+        table = render().replace(sys.executable, "<this python>")
         text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
