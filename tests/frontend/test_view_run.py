@@ -275,3 +275,36 @@ def test_process_file_without_a_server(browser: Browser, tmp_path: Path) -> None
         screenshot(browser, tmp_path / "view-run-file.png")
     finally:
         app.stop()
+
+
+@pytest.mark.slow
+def test_grab_an_env_group_in_a_real_browser(
+    browser: Browser, start_api, tiny_serve, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """run-api + the arithmetic env (``serve``, tiny model) + view-run: a real env's group."""
+    from tests.cli.test_sft_gen import arithmetic_env, stop_proc
+
+    api = start_api()
+    app = ViewRun(
+        "--api-url", api.url, "--tokenizer", str(tiny_model_dir), "--group-size", "4",
+        "--batch-wait", "120", log=tmp_path / "view-run.log",
+    )  # fmt: skip
+    env = None
+    try:
+        env = arithmetic_env(api.url, tiny_serve.url, tiny_model_dir, tmp_path / "env.log")
+        open_page(browser, app.url)
+        browser.evaluate("document.querySelector('#av-grab').click()")
+        wait_for(browser, "/Score: /.test(document.querySelector('#av-view').innerText)",
+                 "the env's first group", timeout=180)  # fmt: skip
+        text = view_text(browser)
+        assert "What is" in text, text[:2000]
+        # every completion of the group is shown with one of the env's rewards
+        for k in range(1, 5):
+            assert any(f"Completion {k} · Score: {s}" in text for s in ("1.0", "-0.5", "-1.0")), (
+                text[:2000]
+            )
+        screenshot(browser, tmp_path / "view-run-env.png")
+    finally:
+        if env is not None:
+            stop_proc(env)
+        app.stop()
