@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from atroposlib.inference.attention import append_cache, use_decode_attention
 from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
 
 logger = logging.getLogger(__name__)
@@ -190,13 +191,19 @@ class _Sequence:
         return self.out.finish_reason is not None
 
 
-def _batch_cache(source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def _batch_cache(
+    source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]], append: bool = False
+) -> DynamicCache:
     """The running batch's cache, always built the same way.
 
-    A ``DynamicCache`` built from layer tensors differs (in attributes ``torch.compile`` guards
-    on) from one a forward pass filled, so the decode step only ever sees this kind.
+    With ``append``, its layers write each new token in place (:class:`AppendLayer`). Else it
+    is a plain ``DynamicCache`` for ``torch.compile``: one built from layer tensors differs (in
+    attributes the compiled graphs guard on) from one a forward pass filled, so the decode step
+    only ever sees this kind.
     """
     layers = source if isinstance(source, list) else [(x.keys, x.values) for x in source.layers]
+    if append:
+        return append_cache(layers)
     # Contiguous too: compiled graphs guard on strides, and a sliced or repeated cache has others.
     return DynamicCache(ddp_cache_data=[(k.contiguous(), v.contiguous()) for k, v in layers])
 
@@ -223,6 +230,7 @@ class GenerationEngine:
         max_logprobs: int = 20,
         min_shared_prefix: int = 16,
         compile: bool = False,
+        fast_decode: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -232,6 +240,13 @@ class GenerationEngine:
         self.prefill_token_budget = prefill_token_budget
         self.min_shared_prefix = min_shared_prefix
         self.compiled = compile
+        # Direct single-token attention and an append-in-place cache (see ``attention.py``).
+        # The cache's views change strides as it grows, which compiled graphs guard on, so
+        # ``compile`` keeps the stock cache.
+        self.fast_decode = fast_decode
+        self._append_cache = fast_decode and not compile
+        if fast_decode:
+            use_decode_attention(model)
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
         self._decode_model = model
@@ -302,7 +317,7 @@ class GenerationEngine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = _batch_cache(out.past_key_values)
+                cache = _batch_cache(out.past_key_values, self._append_cache)
                 mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
                 for _ in range(3):
                     # The same call as the scheduler's decode step, so that with ``compile``
@@ -433,6 +448,8 @@ class GenerationEngine:
             with torch.inference_mode(False), torch.no_grad():
                 self.model.load_state_dict(model.state_dict())
         else:
+            if self.fast_decode:
+                use_decode_attention(model)
             self.model = self._decode_model = model
         self.weights_version += 1
         self._pending_reload = None
@@ -504,7 +521,7 @@ class GenerationEngine:
         # rows then hold [prefix | padding | own suffix], which the attention mask and explicit
         # positions make exact (padding columns are masked out, positions skip them).
         shared = self._shared_prefix_len(handles)
-        cache = DynamicCache()
+        cache = append_cache() if self._append_cache else DynamicCache()
         prefix_mask = torch.ones((len(handles), shared), dtype=torch.long)
         if shared:
             prefix = torch.tensor([handles[0].prompt_ids[:shared]], dtype=torch.long)
@@ -580,7 +597,8 @@ class GenerationEngine:
     def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[_Sequence]) -> None:
         """Append new rows to the running batch, left-padding whichever side is shorter."""
         if self._cache is None or not self._running:
-            self._cache, self._mask, self._running = _batch_cache(cache), mask, sequences
+            self._cache = _batch_cache(cache, self._append_cache)
+            self._mask, self._running = mask, sequences
             return
         width = max(self._mask.shape[1], mask.shape[1])
 
@@ -596,7 +614,7 @@ class GenerationEngine:
             keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
             values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
             layers.append((keys, values))
-        self._cache = _batch_cache(layers)
+        self._cache = _batch_cache(layers, self._append_cache)
         self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
         self._running = self._running + sequences
 
