@@ -12,10 +12,24 @@ other)::
 
     python bench/api_bench.py --compare --upstream-python /tmp/upstream-venv/bin/python
 
-Producers behave like upstream's ``BaseEnv``: each group is gzip-compressed (as upstream does for
-bodies of 1 KiB or more) and a 429 is retried after ``Retry-After``. The trainer polls
-``/batch`` like upstream's example trainer (with ``Accept-Encoding: gzip``), but without its 1 s
-sleep so that the server, not the poll interval, is what gets measured.
+Producers behave like upstream's ``BaseEnv``: they post with aiohttp, each group is
+gzip-compressed (as upstream does for bodies of 1 KiB or more) and a 429 is retried after
+``Retry-After``. The trainer polls ``/batch`` like upstream's example trainer (with
+``Accept-Encoding: gzip``), but without its 1 s sleep so that the server, not the poll interval,
+is what gets measured.
+
+Two kinds of load:
+
+* closed loop (default): every producer posts its next group as soon as the last one is
+  answered, so the server runs flat out and POST latency is mostly queueing (Little's law:
+  producers / groups per second);
+* open loop (``--rate G``): the producers together offer ``G`` groups/s on a fixed schedule,
+  as envs that spend time generating rollouts do. Latency is measured from each post's
+  scheduled time, so a server that falls behind is charged for the wait (no coordinated
+  omission).
+
+CPU seconds used by the server and by the load generator are printed with each run: on a
+2-core machine they share the cores.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 import orjson
 
@@ -52,6 +67,19 @@ def rss_bytes(pid: int) -> int:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
         except OSError:
+            pass
+    return total
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for p in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
             pass
     return total
 
@@ -121,6 +149,10 @@ class Result:
     batch_lat: list[float] = field(default_factory=list)
     rss_peak: int = 0
     rss_end: int = 0
+    offered: float | None = None
+    server_cpu: float = 0.0
+    client_cpu: float = 0.0
+    loadavg: float = 0.0
 
     def row(self) -> str:
         def pct(values: list[float], q: float) -> str:
@@ -129,19 +161,24 @@ class Result:
             values = sorted(values)
             return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.1f}"
 
+        offered = "closed" if self.offered is None else f"{self.offered:g}"
         return (
-            f"| {self.label} | {self.producers} | {self.accepted / self.duration:.1f} | "
+            f"| {self.label} | {self.producers} | {offered} | "
+            f"{self.accepted / self.duration:.1f} | "
             f"{self.batches / self.duration:.2f} | {pct(self.post_lat, 0.5)} | "
             f"{pct(self.post_lat, 0.99)} | {pct(self.batch_lat, 0.5)} | "
             f"{pct(self.batch_lat, 0.99)} | {self.refused_429} | {self.errors} | "
-            f"{self.rss_peak / 2**20:.0f} | {self.rss_end / 2**20:.0f} |"
+            f"{self.rss_peak / 2**20:.0f} | {self.rss_end / 2**20:.0f} | "
+            f"{self.server_cpu / self.duration:.2f} | {self.client_cpu / self.duration:.2f} | "
+            f"{self.loadavg:.1f} |"
         )
 
 
 HEADER = (
-    "| server | producers | groups/s accepted | batches/s served | POST p50 ms | POST p99 ms "
-    "| /batch p50 ms | /batch p99 ms | 429s | errors | RSS peak MiB | RSS end MiB |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| server | producers | offered groups/s | groups/s accepted | batches/s served "
+    "| POST p50 ms | POST p99 ms | /batch p50 ms | /batch p99 ms | 429s | errors "
+    "| RSS peak MiB | RSS end MiB | server cores | load-gen cores | load avg |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -156,11 +193,11 @@ async def run_load(
     pid: int | None,
     bodies_per_producer: int = 4,
     trainer_sleep: float = 0.0,
+    rate: float | None = None,
 ) -> Result:
-    result = Result(label, producers, duration)
+    result = Result(label, producers, duration, offered=rate)
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=producers + 4, max_keepalive_connections=producers + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         await client.get("/reset_data")
         reply = await client.post(
             "/register",
@@ -188,70 +225,98 @@ async def run_load(
         )
         env_id = env.json()["env_id"]
 
-        # Pre-built gzip bodies (compression is the env's cost, not the server's).
-        bodies = []
-        for _ in range(bodies_per_producer):
-            group = make_group(group_size, seq_len, seq_len // 4, rng)
-            group["env_id"] = env_id
-            bodies.append(gzip.compress(orjson.dumps(group), 6))
-        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    # Pre-built gzip bodies (compression is the env's cost, not the server's).
+    bodies = []
+    for _ in range(bodies_per_producer):
+        group = make_group(group_size, seq_len, seq_len // 4, rng)
+        group["env_id"] = env_id
+        bodies.append(gzip.compress(orjson.dumps(group), 6))
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
 
-        deadline = time.monotonic() + duration
-        stop = asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=producers + 4)
+    timeout = aiohttp.ClientTimeout(total=120)
+    session = aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout)
+    start = time.monotonic()
+    deadline = start + duration
+    stop = asyncio.Event()
+    period = producers / rate if rate else 0.0
 
-        async def producer(k: int) -> None:
-            i = k
-            while time.monotonic() < deadline:
-                body = bodies[i % len(bodies)]
-                i += 1
-                t0 = time.perf_counter()
-                try:
-                    r = await client.post("/scored_data", content=body, headers=headers)
-                except httpx.HTTPError:
-                    result.errors += 1
-                    continue
-                result.post_lat.append(time.perf_counter() - t0)
-                if r.status_code == 200:
-                    result.accepted += 1
-                elif r.status_code == 429:
-                    result.refused_429 += 1
-                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
-                else:
-                    result.errors += 1
+    async def producer(k: int) -> None:
+        i = k
+        # open loop: producer k posts at start + (k / producers + j) * period
+        due = start + period * k / producers
+        while True:
+            if period:
+                now = time.monotonic()
+                if due > now:
+                    await asyncio.sleep(due - now)
+            if time.monotonic() >= deadline:
+                return
+            body = bodies[i % len(bodies)]
+            i += 1
+            t0 = time.perf_counter() - (max(0.0, time.monotonic() - due) if period else 0.0)
+            try:
+                async with session.post("/scored_data", data=body, headers=headers) as r:
+                    await r.read()
+                    status = r.status
+                    retry_after = float(r.headers.get("retry-after", "1"))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                result.errors += 1
+                due += period
+                continue
+            result.post_lat.append(time.perf_counter() - t0)
+            due += period
+            if status == 200:
+                result.accepted += 1
+            elif status == 429:
+                result.refused_429 += 1
+                await asyncio.sleep(retry_after)
+            else:
+                result.errors += 1
 
-        async def sample_rss() -> None:
-            while not stop.is_set() and pid:
-                result.rss_peak = max(result.rss_peak, rss_bytes(pid))
-                await asyncio.sleep(0.25)
+    async def sample_rss() -> None:
+        while not stop.is_set() and pid:
+            result.rss_peak = max(result.rss_peak, rss_bytes(pid))
+            await asyncio.sleep(0.25)
 
-        # The trainer runs in its own process, as it would in a real run, so that handling the
-        # large batch responses does not delay the producers' clocks (and vice versa).
-        ctx = mp.get_context("spawn")
-        results_q = ctx.Queue()
-        trainer = ctx.Process(
-            target=_trainer_process,
-            args=(
-                url,
-                deadline - time.monotonic(),
-                group_size,
-                batch_size,
-                results_q,
-                trainer_sleep,
-            ),
-        )
-        trainer.start()
-        sampler = asyncio.create_task(sample_rss())
+    # The trainer runs in its own process, as it would in a real run, so that handling the
+    # large batch responses does not delay the producers' clocks (and vice versa).
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    trainer = ctx.Process(
+        target=_trainer_process,
+        args=(
+            url,
+            deadline - time.monotonic(),
+            group_size,
+            batch_size,
+            results_q,
+            trainer_sleep,
+        ),
+    )
+    trainer.start()
+    server_cpu0 = cpu_seconds(pid) if pid else 0.0
+    client_cpu0 = time.process_time()
+    sampler = asyncio.create_task(sample_rss())
+    try:
         await asyncio.gather(*(producer(k) for k in range(producers)))
-        stop.set()
-        await sampler
-        batches, batch_lat, errors = await asyncio.to_thread(results_q.get, True, 120)
-        trainer.join(30)
-        result.batches = batches
-        result.batch_lat = batch_lat
-        result.errors += errors
-        if pid:
-            result.rss_end = rss_bytes(pid)
-            result.rss_peak = max(result.rss_peak, result.rss_end)
+    finally:
+        await session.close()
+    stop.set()
+    await sampler
+    result.client_cpu = time.process_time() - client_cpu0
+    result.loadavg = os.getloadavg()[0]
+    if pid:
+        result.server_cpu = cpu_seconds(pid) - server_cpu0
+    batches, batch_lat, errors, trainer_cpu = await asyncio.to_thread(results_q.get, True, 120)
+    trainer.join(30)
+    result.client_cpu += trainer_cpu
+    result.batches = batches
+    result.batch_lat = batch_lat
+    result.errors += errors
+    if pid:
+        result.rss_end = rss_bytes(pid)
+        result.rss_peak = max(result.rss_peak, result.rss_end)
     return result
 
 
@@ -290,7 +355,9 @@ def _trainer_process(
                     await asyncio.sleep(trainer_sleep)
         return batches, latencies, errors
 
-    out.put(asyncio.run(pull()))
+    cpu0 = time.process_time()
+    batches, latencies, errors = asyncio.run(pull())
+    out.put((batches, latencies, errors, time.process_time() - cpu0))
 
 
 def start_server(
@@ -349,6 +416,7 @@ def compare(args: argparse.Namespace) -> None:
                         args.batch_size,
                         proc.pid,
                         trainer_sleep=args.trainer_sleep,
+                        rate=args.rate,
                     )
                 )
             finally:
@@ -386,6 +454,13 @@ def main() -> None:
         default=0.0,
         help="Seconds the trainer 'trains' after each batch (a slow trainer fills the queue).",
     )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Open loop: groups/s offered by all producers together (default: closed loop, "
+        "each producer posts again as soon as it is answered).",
+    )
     parser.add_argument("--producer-counts", type=int, nargs="+", default=[8, 32])
     parser.add_argument(
         "--our-flags",
@@ -413,6 +488,7 @@ def main() -> None:
             args.batch_size,
             pid,
             trainer_sleep=args.trainer_sleep,
+            rate=args.rate,
         )
     )
     print(HEADER)
