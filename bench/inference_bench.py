@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,19 +95,35 @@ async def run_requests(
     return sum(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-async def bench(url: str, model: str, max_tokens: int) -> dict[str, float]:
+WORKLOADS = ("single", "sequential", "concurrent8", "group8", "concurrent32")
+
+
+async def bench(
+    url: str, model: str, max_tokens: int, repeat: int = 1, workloads: tuple[str, ...] = WORKLOADS
+) -> dict[str, float]:
+    """Run the chosen workloads ``repeat`` times each; tokens/s per workload (the median)."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=3600, max_retries=0)
     await run_requests(client, model, 2, 8)  # warm-up
     results: dict[str, float] = {}
 
-    async def measure(name: str, coro_factory) -> None:
-        started = time.perf_counter()
-        tokens = await coro_factory()
-        elapsed = time.perf_counter() - started
-        results[name] = tokens / elapsed
-        print(f"{name:<28} {tokens:6d} tokens in {elapsed:7.1f} s = {tokens / elapsed:7.1f} tok/s")
+    async def measure(key: str, name: str, coro_factory) -> None:
+        if key not in workloads:
+            return
+        rates = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            tokens = await coro_factory()
+            elapsed = time.perf_counter() - started
+            rates.append(tokens / elapsed)
+            print(
+                f"{name:<28} {tokens:6d} tokens in {elapsed:7.1f} s = {tokens / elapsed:7.1f} tok/s",
+                flush=True,
+            )
+        results[name] = statistics.median(rates)
+        if repeat > 1:
+            print(f"{name:<28} median of {repeat}: {results[name]:7.1f} tok/s", flush=True)
 
-    await measure("single stream", lambda: run_requests(client, model, 1, max_tokens))
+    await measure("single", "single stream", lambda: run_requests(client, model, 1, max_tokens))
 
     async def sequential() -> int:
         total = 0
@@ -114,10 +131,18 @@ async def bench(url: str, model: str, max_tokens: int) -> dict[str, float]:
             total += await run_requests(client, model, 1, max_tokens)
         return total
 
-    await measure("8 requests sequential", sequential)
-    await measure("8 concurrent requests", lambda: run_requests(client, model, 8, max_tokens))
-    await measure("1 request, n=8 (group)", lambda: run_requests(client, model, 1, max_tokens, 8))
-    await measure("32 concurrent requests", lambda: run_requests(client, model, 32, max_tokens))
+    await measure("sequential", "8 requests sequential", sequential)
+    await measure(
+        "concurrent8", "8 concurrent requests", lambda: run_requests(client, model, 8, max_tokens)
+    )
+    await measure(
+        "group8", "1 request, n=8 (group)", lambda: run_requests(client, model, 1, max_tokens, 8)
+    )
+    await measure(
+        "concurrent32",
+        "32 concurrent requests",
+        lambda: run_requests(client, model, 32, max_tokens),
+    )
     await client.close()
     return results
 
@@ -131,7 +156,21 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="Start atropos-serve with --compile."
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="Runs of each workload; the median is reported."
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"Comma-separated subset of {','.join(WORKLOADS)}.",
+    )
     args = parser.parse_args()
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(
+            f"--workloads: unknown {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})"
+        )
     proc = None
     url = args.url
     if url is None:
@@ -142,11 +181,13 @@ def main() -> None:
         )
     try:
         print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-        results = asyncio.run(bench(url, args.model, args.max_tokens))
+        results = asyncio.run(bench(url, args.model, args.max_tokens, args.repeat, workloads))
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    if set(workloads) != set(WORKLOADS):
+        return
     single = results["single stream"]
     print(
         f"speed-up over single stream: 8 concurrent {results['8 concurrent requests'] / single:.1f}x, "
