@@ -434,6 +434,9 @@ def run_cli(env_cls: type, argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        # httpx logs every request at INFO: one line per /health poll and per batch sent
+        # would bury what the env itself reports.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         resolved = resolve_config(env_cls, argv)
