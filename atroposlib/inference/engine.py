@@ -216,6 +216,11 @@ class GenerationEngine:
     ``prefill_token_budget`` bounds how many prompt tokens one iteration prefills, so long
     prompts do not stall the decoding of everyone else for long. Prompts prefilled together
     that share a prefix of at least ``min_shared_prefix`` tokens compute it once.
+
+    ``fast_decode`` (the default) switches a model that runs on sdpa attention to
+    :func:`~atroposlib.inference.attention.decode_attention` (it sets the model's attention
+    implementation, also on models handed to :meth:`request_reload`) and keeps the running
+    batch in an append-in-place cache; ``compile`` compiles the decode step.
     """
 
     def __init__(
