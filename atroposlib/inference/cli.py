@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: torch's choice, usually one per core).",
+        help="Threads the model runs on (default: torch's choice, usually one per core); the "
+        "rest of the server runs torch single-threaded.",
     )
     parser.add_argument(
         "--compile",
@@ -106,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     from atroposlib.inference.models import load_model
     from atroposlib.inference.server import ServerState, create_app
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # The engine's scheduler thread does the model's work with this many threads; every
+    # other thread (this one loads the model) runs torch single-threaded, so that only the
+    # engine keeps an OpenMP pool (see GenerationEngine).
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(1)
     if args.cache_dir:
         os.environ["ATROPOS_CACHE"] = args.cache_dir
     try:
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         max_waiting=args.max_queue,
         max_model_len=args.max_model_len,
         compile=args.compile,
+        threads=threads,
     )
     if args.compile:
         logging.getLogger("atroposlib.inference").info(

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from atroposlib.inference.attention import append_cache, use_decode_attention
+from atroposlib.inference.packed_linear import pack_linear_weights
 from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
 
 logger = logging.getLogger(__name__)
@@ -217,10 +218,18 @@ class GenerationEngine:
     prompts do not stall the decoding of everyone else for long. Prompts prefilled together
     that share a prefix of at least ``min_shared_prefix`` tokens compute it once.
 
+    The scheduler thread runs torch with ``threads`` intra-op threads (default: torch's
+    current setting, usually one per core). Other threads of the process should run torch
+    single-threaded, as ``atropos-serve`` arranges: every thread that runs a parallel torch
+    op keeps an OpenMP pool, and once the pools hold more threads than there are cores,
+    libgomp stops spin-waiting between ops, which made a decode step up to 1.7x slower.
+
     ``fast_decode`` (the default) switches a model that runs on sdpa attention to
     :func:`~atroposlib.inference.attention.decode_attention` (it sets the model's attention
-    implementation, also on models handed to :meth:`request_reload`) and keeps the running
-    batch in an append-in-place cache; ``compile`` compiles the decode step.
+    implementation, also on models handed to :meth:`request_reload`), keeps the running
+    batch in an append-in-place cache and, on the CPU, multiplies with prepacked oneDNN
+    weights (:func:`~atroposlib.inference.packed_linear.pack_linear_weights`; one more copy
+    of the linear weights in memory); ``compile`` compiles the decode step instead.
     """
 
     def __init__(
@@ -236,8 +245,10 @@ class GenerationEngine:
         min_shared_prefix: int = 16,
         compile: bool = False,
         fast_decode: bool = True,
+        threads: int | None = None,
     ) -> None:
         self.model = model
+        self.threads = threads or torch.get_num_threads()
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_waiting = max_waiting
@@ -252,6 +263,9 @@ class GenerationEngine:
         self._append_cache = fast_decode and not compile
         if fast_decode:
             use_decode_attention(model)
+        self._pack_linears = fast_decode and not compile
+        if self._pack_linears:
+            pack_linear_weights(model)
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
         self._decode_model = model
@@ -312,6 +326,25 @@ class GenerationEngine:
         oneDNN builds its bf16 kernels on first use, which otherwise makes the first requests
         several times slower. Call before :meth:`start`; returns the seconds spent.
         """
+        outcome: list[float | BaseException] = []
+
+        def work() -> None:
+            torch.set_num_threads(self.threads)
+            try:
+                outcome.append(self._warmup())
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                outcome.append(exc)
+
+        # On a thread of its own that ends afterwards, with the scheduler's thread count: oneDNN
+        # keys its kernels by thread count, and the thread's OpenMP pool goes away with it.
+        thread = threading.Thread(target=work, name="atropos-warmup")
+        thread.start()
+        thread.join()
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _warmup(self) -> float:
         started = time.monotonic()
         with torch.inference_mode():
             for batch in (1, 4):
@@ -396,6 +429,20 @@ class GenerationEngine:
             self._cond.notify()
         return handle
 
+    def prepare_model(self, model: PreTrainedModel) -> PreTrainedModel:
+        """Get a model ready to be swapped in: on the engine's device, in eval mode, with the
+        decode kernels and packed weights the engine uses. Done once per model (it takes about
+        as long as copying the weights); :meth:`request_reload` calls it if nobody did, so a
+        caller may run it beforehand on a loader thread, off the event loop."""
+        if getattr(model, "_atropos_prepared_for", None) is self:
+            return model
+        model.to(self.device)
+        model.eval()
+        if self._pack_linears:
+            pack_linear_weights(model)
+        model._atropos_prepared_for = self  # type: ignore[attr-defined]
+        return model
+
     def request_reload(self, model: PreTrainedModel) -> concurrent.futures.Future[ReloadInfo]:
         """Swap in ``model`` once the sequences in flight have finished on the old weights.
 
@@ -408,11 +455,11 @@ class GenerationEngine:
                 f"{self.model.config.vocab_size}: the tokenizer would not match"
             )
         future: concurrent.futures.Future[ReloadInfo] = concurrent.futures.Future()
+        # Outside the lock: the scheduler keeps decoding on the old weights meanwhile.
+        self.prepare_model(model)
         with self._cond:
             if self._pending_reload is not None:
                 raise RuntimeError("a weight reload is already in progress")
-            model.to(self.device)
-            model.eval()
             self._pending_reload = (model, future, time.time())
             self._drain_started = time.monotonic()
             self._cond.notify()
@@ -421,6 +468,7 @@ class GenerationEngine:
     # ------------------------------------------------------------------ scheduler
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -313,9 +314,10 @@ def create_app(state: ServerState) -> FastAPI:
             requested = time.time()
             started = time.monotonic()
             try:
-                model = await asyncio.to_thread(load_weights, str(path), state.dtype)
+                model = await _in_own_thread(load_weights, str(path), state.dtype)
             except Exception as exc:  # noqa: BLE001 - any loading failure is the client's input
                 raise APIError(400, f"could not load {path}: {exc}", param="path") from exc
+            await _in_own_thread(state.engine.prepare_model, model)
             load_seconds = time.monotonic() - started
             try:
                 future = state.engine.request_reload(model)
@@ -341,6 +343,39 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+async def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` on a new thread that ends afterwards.
+
+    Torch work off the engine's thread goes here rather than to ``asyncio.to_thread``: a
+    thread that ran parallel torch ops keeps an OpenMP pool for as long as it lives, and the
+    executor's threads live on, which would slow the engine's decoding (see
+    :class:`GenerationEngine`).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the event loop closed meanwhile: nobody is waiting
+
+    threading.Thread(target=work, name="atropos-loader", daemon=True).start()
+    return await future
 
 
 def _as_context(lifespan: Callable[[FastAPI], AsyncIterator[None]]):
