@@ -136,10 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     engine.start()
     names = args.served_model_name or [args.model]
     logging.getLogger("atroposlib.inference").info(
-        "serving %s from %s (%s, loaded in %.1f s, warm-up %.1f s) as %s on http://%s:%d",
+        "serving %s from %s (%s, %s decode step, loaded in %.1f s, warm-up %.1f s) as %s on "
+        "http://%s:%d",
         args.model,
         loaded.source,
         str(loaded.dtype).removeprefix("torch."),
+        engine.decode_path,
         loaded.load_seconds,
         warm,
         names,

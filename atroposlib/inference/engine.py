@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from atroposlib.inference.attention import append_cache, use_decode_attention
+from atroposlib.inference.lean_decode import LeanDecoder
 from atroposlib.inference.packed_linear import pack_linear_weights
 from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
 
@@ -229,7 +230,11 @@ class GenerationEngine:
     implementation, also on models handed to :meth:`request_reload`), keeps the running
     batch in an append-in-place cache and, on the CPU, multiplies with prepacked oneDNN
     weights (:func:`~atroposlib.inference.packed_linear.pack_linear_weights`; one more copy
-    of the linear weights in memory); ``compile`` compiles the decode step instead.
+    of the linear weights in memory) and, for Llama-architecture models, decodes with
+    :class:`~atroposlib.inference.lean_decode.LeanDecoder` (the same arithmetic without
+    ``transformers``' per-call overhead; fused projection weights are another copy of those
+    weights; ``lean_decode=False`` keeps the model's own forward pass); ``compile`` compiles
+    the decode step instead.
     """
 
     def __init__(
@@ -245,6 +250,7 @@ class GenerationEngine:
         min_shared_prefix: int = 16,
         compile: bool = False,
         fast_decode: bool = True,
+        lean_decode: bool = True,
         threads: int | None = None,
     ) -> None:
         self.model = model
@@ -266,6 +272,9 @@ class GenerationEngine:
         self._pack_linears = fast_decode and not compile
         if self._pack_linears:
             pack_linear_weights(model)
+        # Llama-architecture models decode without transformers' per-call overhead.
+        self._lean_decode = lean_decode and self._pack_linears
+        self._lean = LeanDecoder.build(model) if self._lean_decode else None
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
         self._decode_model = model
@@ -383,6 +392,16 @@ class GenerationEngine:
             self._thread.join(timeout)
 
     @property
+    def decode_path(self) -> str:
+        """How decode steps run now: ``"lean"`` (:class:`~.lean_decode.LeanDecoder`),
+        ``"compiled"`` (``compile``) or ``"transformers"`` (the model's own forward pass)."""
+        if self.compiled:
+            return "compiled"
+        if self._lean is not None and self._lean.current():
+            return "lean"
+        return "transformers"
+
+    @property
     def healthy(self) -> bool:
         """True while the scheduler thread runs and accepts work."""
         return self._thread.is_alive() and not self._stopped and self._failure is None
@@ -438,8 +457,12 @@ class GenerationEngine:
             return model
         model.to(self.device)
         model.eval()
+        if self.fast_decode:
+            use_decode_attention(model)
         if self._pack_linears:
             pack_linear_weights(model)
+        lean = LeanDecoder.build(model) if self._lean_decode else None
+        model._atropos_lean = lean  # type: ignore[attr-defined]
         model._atropos_prepared_for = self  # type: ignore[attr-defined]
         return model
 
@@ -504,6 +527,7 @@ class GenerationEngine:
             if self.fast_decode:
                 use_decode_attention(model)
             self.model = self._decode_model = model
+            self._lean = getattr(model, "_atropos_lean", None)
         self.weights_version += 1
         self._pending_reload = None
         info = ReloadInfo(
@@ -678,17 +702,21 @@ class GenerationEngine:
         input_ids = torch.tensor([[s.out.token_ids[-1]] for s in self._running], dtype=torch.long)
         mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
         positions = mask.sum(dim=1, keepdim=True) - 1
-        out = self._decode_model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        lean = self._lean
+        if lean is not None and lean.current():
+            logits = lean(input_ids.to(self.device), mask, positions, self._cache).float().cpu()
+        else:
+            out = self._decode_model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            self._cache = out.past_key_values
+            logits = out.logits[:, -1, :].float().cpu()
         self._mask = mask
-        self._cache = out.past_key_values
-        logits = out.logits[:, -1, :].float().cpu()
         tokens, raw_logprobs = sample_next(logits, [s.row for s in self._running])
         self.stats["steps"] += 1
         self._record_tokens(self._running, tokens, raw_logprobs)

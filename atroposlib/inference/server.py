@@ -157,6 +157,7 @@ def create_app(state: ServerState) -> FastAPI:
             "status": "ok" if engine.healthy else "unavailable",
             "model": state.served_model_names[0],
             "weights_version": engine.weights_version,
+            "decode_path": engine.decode_path,
             **engine.load(),
             "stats": dict(engine.stats),
         }

@@ -75,6 +75,8 @@ async def test_reload_while_requests_are_in_flight(
 
     model_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir_b).eval()
     url = reload_server.url
+    # The tiny model is a Llama: it decodes on the lean path, before and after the reload.
+    assert httpx.get(url + "/health").json()["decode_path"] == "lean"
     before_ids, before_lp = _served_logprobs(_generate(url, 8))
     assert before_lp == pytest.approx(
         reference_logprobs(reference_model, PROMPT_IDS, before_ids), abs=2e-3
@@ -116,6 +118,7 @@ async def test_reload_while_requests_are_in_flight(
     # New requests run on the new weights, under the same model name.
     after = _generate(url, 8)
     assert after.headers["X-Weights-Version"] == "1"
+    assert httpx.get(url + "/health").json()["decode_path"] == "lean"
     after_ids, after_lp = _served_logprobs(after)
     assert after_lp == pytest.approx(reference_logprobs(model_b, PROMPT_IDS, after_ids), abs=2e-3)
     assert (after_ids, after_lp) != (before_ids, before_lp)

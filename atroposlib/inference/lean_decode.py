@@ -1,0 +1,222 @@
+"""A lean decode step for Llama-architecture models on the CPU.
+
+One decode step of a small model is dozens of tiny operations per layer, and on the CPU the
+Python around them (``nn.Module`` calls, ``transformers``' output capturing, mask building,
+keyword plumbing) costs about as much as the arithmetic. :class:`LeanDecoder` runs the same
+step as ``LlamaForCausalLM`` for one new token per row with that overhead stripped: a plain
+loop over the layers, the mask built once per step instead of per call, and the query/key/
+value projections and the gate/up projections each fused into one prepacked multiply (five
+multiplies per layer become two). The arithmetic is the model's own, in the same order, so
+the logits are bit-identical to the ``transformers`` forward pass.
+
+Measured on the 2-core development machine with SmolLM2-135M in bf16, one decode step
+alternating between the two paths in one process: 1.35x faster at batch 1 (27.0 -> 19.9
+ms), 1.27x at 8, 1.13x at 32.
+
+It applies only where it is exactly the model's computation: the ``llama`` architecture with
+SiLU MLPs and the engine's single-token attention, on the CPU in a dtype with prepacked
+kernels (:mod:`atroposlib.inference.packed_linear`); :func:`LeanDecoder.build` returns None
+for anything else, and the engine keeps the ``transformers`` forward pass. Prefill (many
+tokens per row) always uses the ``transformers`` forward pass.
+
+The fused weights are copies (for SmolLM2-135M in bf16, 140 MB); a model whose weights are
+changed in place afterwards is noticed (:meth:`LeanDecoder.current`) and the engine falls
+back to the ``transformers`` path for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from .attention import ATTENTION_NAME
+from .packed_linear import BATCH_HINT, is_packed, packing_supported
+
+_SUPPORTED_MODEL_TYPES = ("llama",)
+# torch's module and transformers' (``ACT2FN["silu"]``), both ``F.silu``.
+_SILU_CLASSES = ("SiLU", "SiLUActivation")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _cat_bias(*layers: nn.Linear) -> torch.Tensor | None:
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise _Unsupported("some fused projections have a bias and some do not")
+    return torch.cat([b.detach() for b in biases]).contiguous()  # type: ignore[union-attr]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+@dataclass
+class _Layer:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    scaling: float
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``, operation for operation."""
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanDecoder:
+    """The decode step of one Llama-architecture model, without ``transformers``' overhead.
+
+    Build it with :meth:`build` (None when the model is not supported) and call it with one
+    token per row; see the module docstring for what it does and where it applies.
+    """
+
+    def __init__(self, model: PreTrainedModel, layers: list[_Layer]) -> None:
+        config = model.config
+        self.model = model
+        self.layers = layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = config.intermediate_size
+        inner = model.model  # type: ignore[attr-defined]
+        self._embed = inner.embed_tokens
+        self._rotary = inner.rotary_emb
+        self._final_norm = inner.norm.weight
+        self._final_eps = float(inner.norm.variance_epsilon)
+        self._lm_head = model.lm_head  # type: ignore[attr-defined]
+        # Every weight the fused copies were made from, with its version at build time.
+        self._sources = [(p, None if p.is_inference() else p._version) for p in model.parameters()]
+
+    @classmethod
+    def build(cls, model: PreTrainedModel) -> LeanDecoder | None:
+        """A decoder for ``model``, or None where it would not be exactly the model's step."""
+        try:
+            return cls(model, cls._fuse(model))
+        except _Unsupported:
+            return None
+
+    @staticmethod
+    def _fuse(model: PreTrainedModel) -> list[_Layer]:
+        config = model.config
+        if getattr(config, "model_type", None) not in _SUPPORTED_MODEL_TYPES:
+            raise _Unsupported(f"model type {getattr(config, 'model_type', None)!r}")
+        if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+            raise _Unsupported("the model does not run on the engine's decode attention")
+        if getattr(config, "hidden_act", None) != "silu":
+            raise _Unsupported("only SiLU MLPs")
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            raise _Unsupported("pretraining_tp > 1")
+        inner = getattr(model, "model", None)
+        lm_head = getattr(model, "lm_head", None)
+        if inner is None or not is_packed(lm_head) or not hasattr(inner, "rotary_emb"):
+            raise _Unsupported("unexpected module layout, or weights not packed")
+        dtype = lm_head.weight.dtype  # type: ignore[union-attr]
+        if not packing_supported(dtype):
+            raise _Unsupported(f"no packed kernels for {dtype}")
+        layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+                projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                if not all(is_packed(p) and p.weight.device.type == "cpu" for p in projections):
+                    raise _Unsupported("a projection is not a packed CPU linear layer")
+                if type(mlp.act_fn).__name__ not in _SILU_CLASSES:
+                    raise _Unsupported("only SiLU MLPs")
+                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                layers.append(
+                    _Layer(
+                        qkv=_pack(qkv),
+                        qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                        o=attn.o_proj._atropos_packed,
+                        o_bias=attn.o_proj.bias,
+                        gate_up=_pack(gate_up),
+                        gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                        down=mlp.down_proj._atropos_packed,
+                        down_bias=mlp.down_proj.bias,
+                        input_norm=layer.input_layernorm.weight,
+                        input_eps=float(layer.input_layernorm.variance_epsilon),
+                        post_norm=layer.post_attention_layernorm.weight,
+                        post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+                        scaling=float(attn.scaling),
+                    )
+                )
+        return layers
+
+    def current(self) -> bool:
+        """False once any of the model's weights was changed in place after :meth:`build`."""
+        return all(version is None or p._version == version for p, version in self._sources)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        """Logits ``(batch, vocab)`` for ``input_ids`` ``(batch, 1)``, appending to ``cache``.
+
+        ``attention_mask`` is the engine's ``(batch, cached + 1)`` 0/1 mask (0 for padding);
+        ``position_ids`` is ``(batch, 1)``.
+        """
+        batch = input_ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_end, k_end, inter = heads * dim, (heads + kv_heads) * dim, self.intermediate
+        # As transformers' sdpa mask: none at all when nothing is padding.
+        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        hidden = self._embed(input_ids)
+        cos, sin = self._rotary(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        sdpa = nn.functional.scaled_dot_product_attention
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
+            qkv = _linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[..., :q_end].view(batch, 1, heads, dim).transpose(1, 2)
+            k = qkv[..., q_end:k_end].view(batch, 1, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., k_end:].view(batch, 1, kv_heads, dim).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = cache.layers[index].update(k, v)
+            # One query token: the query heads sharing a key/value head are the query rows of
+            # one attention call on it (as :func:`~.attention.decode_attention`).
+            grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+            out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scaling)
+            out = out.reshape(batch, 1, heads * dim)
+            hidden = residual + _linear(out, layer.o, layer.o_bias)
+            residual = hidden
+            x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
+            gate_up = _linear(x, layer.gate_up, layer.gate_up_bias)
+            x = nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+            hidden = residual + _linear(x, layer.down, layer.down_bias)
+        hidden = _rms_norm(hidden, self._final_norm, self._final_eps)
+        return self._lm_head(hidden)[:, -1, :]

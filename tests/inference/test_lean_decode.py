@@ -1,0 +1,145 @@
+"""The lean decode step must compute exactly what the ``transformers`` model computes, and the
+engine must fall back to the model whenever it cannot."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from atroposlib.inference.attention import append_cache, use_decode_attention
+from atroposlib.inference.engine import GenerationEngine
+from atroposlib.inference.lean_decode import LeanDecoder
+from atroposlib.inference.models import load_model
+from atroposlib.inference.packed_linear import pack_linear_weights, packing_supported
+from atroposlib.inference.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not packing_supported(torch.float32), reason="oneDNN is not available"
+)
+
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not packing_supported(torch.bfloat16), reason="no bf16 oneDNN kernels on this CPU"
+        ),
+    ),
+]
+
+
+def _prepared(model_dir: Path, dtype: torch.dtype):
+    loaded = load_model(str(model_dir), "float32")
+    model = loaded.model.to(dtype)
+    assert use_decode_attention(model)
+    pack_linear_weights(model)
+    return model, loaded.tokenizer
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+    cache = append_cache()
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.past_key_values, out.logits[:, -1, :].argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_lean_steps_equal_the_model_forward(
+    tiny_model_dir: Path, dtype: torch.dtype, padded: bool
+) -> None:
+    model, _ = _prepared(tiny_model_dir, dtype)
+    lean = LeanDecoder.build(model)
+    assert lean is not None and lean.current()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:  # rows of 12, 7 and 3 prompt tokens, left-padded as the engine does
+        mask[1, :5] = 0
+        mask[2, :9] = 0
+    with torch.inference_mode():
+        stock_cache, stock_tokens = _prefill(model, ids, mask)
+        lean_cache, lean_tokens = _prefill(model, ids, mask)
+        for _ in range(6):
+            mask = torch.cat([mask, mask.new_ones((3, 1))], dim=1)
+            positions = mask.sum(dim=1, keepdim=True) - 1
+            stock = model(
+                input_ids=stock_tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=stock_cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+            got = lean(lean_tokens, mask, positions, lean_cache)
+            # The same operations in the same order: the very same numbers.
+            assert torch.equal(got, stock)
+            stock_tokens = stock.argmax(-1, keepdim=True)
+            lean_tokens = got.argmax(-1, keepdim=True)
+        for stock_layer, lean_layer in zip(stock_cache.layers, lean_cache.layers, strict=True):
+            assert torch.equal(stock_layer.keys, lean_layer.keys)
+            assert torch.equal(stock_layer.values, lean_layer.values)
+
+
+def test_weights_changed_in_place_switch_the_lean_step_off(tiny_model_dir: Path) -> None:
+    model, _ = _prepared(tiny_model_dir, torch.float32)
+    lean = LeanDecoder.build(model)
+    assert lean is not None and lean.current()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(0.5)
+    assert not lean.current()
+
+
+def test_models_it_cannot_run_exactly_get_none(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir), "float32")
+    model = loaded.model
+    assert LeanDecoder.build(model) is None  # stock sdpa attention, weights not packed
+    use_decode_attention(model)
+    assert LeanDecoder.build(model) is None  # weights not packed
+    pack_linear_weights(model)
+    assert LeanDecoder.build(model) is not None
+    model.config.hidden_act = "gelu"
+    assert LeanDecoder.build(model) is None
+
+
+def _greedy(engine: GenerationEngine, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    async def run() -> list[tuple[list[int], list]]:
+        handles = [
+            engine.submit(p, SamplingParams(max_tokens=20, temperature=0, logprobs=2))
+            for p in prompts
+        ]
+        results = await asyncio.gather(*(h.result() for h in handles))
+        return [(r[0].token_ids, r[0].logprobs) for r in results]
+
+    return asyncio.run(run())
+
+
+def test_engine_decodes_the_same_on_either_path(tiny_model_dir: Path) -> None:
+    """Greedy generations of a batch of different-length prompts (padding, rows retiring at
+    different times) are identical on the lean path and the model's own forward pass."""
+    loaded = load_model(str(tiny_model_dir), "float32")
+    lean_engine = GenerationEngine(loaded.model, loaded.tokenizer).start()
+    assert lean_engine.decode_path == "lean"
+    plain = load_model(str(tiny_model_dir), "float32")
+    plain_engine = GenerationEngine(plain.model, plain.tokenizer, lean_decode=False).start()
+    assert plain_engine.decode_path == "transformers"
+    prompts = [[1, 504, 3458, 282], [1, 9, 8, 7, 6, 5, 4, 3, 2, 200, 300], [1, 77]]
+    try:
+        lean = _greedy(lean_engine, prompts)
+        stock = _greedy(plain_engine, prompts)
+    finally:
+        lean_engine.shutdown()
+        plain_engine.shutdown()
+    for (lean_ids, lean_lp), (stock_ids, stock_lp) in zip(lean, stock, strict=True):
+        assert lean_ids == stock_ids
+        assert lean_lp == pytest.approx(stock_lp, abs=1e-5)
