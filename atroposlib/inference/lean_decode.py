@@ -13,8 +13,9 @@ Measured on the 2-core development machine with SmolLM2-135M in bf16, one decode
 alternating between the two paths in one process: 1.35x faster at batch 1 (27.0 -> 19.9
 ms), 1.27x at 8, 1.13x at 32.
 
-It applies only where it is exactly the model's computation: the ``llama`` architecture with
-SiLU MLPs and the engine's single-token attention, on the CPU in a dtype with prepacked
+It applies only where it is exactly the model's computation: the Llama architecture and its
+close relatives (``llama``, ``mistral``, ``qwen2``, ``qwen3``) with SiLU MLPs, full attention
+(no sliding window) and the engine's single-token attention, on the CPU in a dtype with prepacked
 kernels (:mod:`atroposlib.inference.packed_linear`); :func:`LeanDecoder.build` returns None
 for anything else, and the engine keeps the ``transformers`` forward pass. Prefill (many
 tokens per row) always uses the ``transformers`` forward pass.
@@ -36,7 +37,9 @@ from transformers.cache_utils import DynamicCache
 from .attention import ATTENTION_NAME
 from .packed_linear import BATCH_HINT, is_packed, packing_supported
 
-_SUPPORTED_MODEL_TYPES = ("llama",)
+# Architectures whose decoder layer is Llama's (Qwen2 adds biases to q/k/v, Qwen3 normalises
+# q and k per head); all with full attention only.
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # torch's module and transformers' (``ACT2FN["silu"]``), both ``F.silu``.
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
 
@@ -72,6 +75,9 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
     input_norm: torch.Tensor
     input_eps: float
     post_norm: torch.Tensor
@@ -134,6 +140,8 @@ class LeanDecoder:
             raise _Unsupported("only SiLU MLPs")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             raise _Unsupported("pretraining_tp > 1")
+        if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+            raise _Unsupported("sliding-window attention")
         inner = getattr(model, "model", None)
         lm_head = getattr(model, "lm_head", None)
         if inner is None or not is_packed(lm_head) or not hasattr(inner, "rotary_emb"):
@@ -151,6 +159,11 @@ class LeanDecoder:
                     raise _Unsupported("a projection is not a packed CPU linear layer")
                 if type(mlp.act_fn).__name__ not in _SILU_CLASSES:
                     raise _Unsupported("only SiLU MLPs")
+                if getattr(attn, "sliding_window", None) is not None:
+                    raise _Unsupported("sliding-window attention")
+                q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+                if (q_norm is None) != (k_norm is None):
+                    raise _Unsupported("a norm on queries or keys only")
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 layers.append(
@@ -163,6 +176,9 @@ class LeanDecoder:
                         gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
                         down=mlp.down_proj._atropos_packed,
                         down_bias=mlp.down_proj.bias,
+                        q_norm=None if q_norm is None else q_norm.weight,
+                        k_norm=None if k_norm is None else k_norm.weight,
+                        qk_eps=float(q_norm.variance_epsilon) if q_norm is not None else 0.0,
                         input_norm=layer.input_layernorm.weight,
                         input_eps=float(layer.input_layernorm.variance_epsilon),
                         post_norm=layer.post_attention_layernorm.weight,
@@ -201,8 +217,12 @@ class LeanDecoder:
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
             qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[..., :q_end].view(batch, 1, heads, dim).transpose(1, 2)
-            k = qkv[..., q_end:k_end].view(batch, 1, kv_heads, dim).transpose(1, 2)
+            q = qkv[..., :q_end].view(batch, 1, heads, dim)
+            k = qkv[..., q_end:k_end].view(batch, 1, kv_heads, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3
+                q = _rms_norm(q, layer.q_norm, layer.qk_eps)
+                k = _rms_norm(k, layer.k_norm, layer.qk_eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = qkv[..., k_end:].view(batch, 1, kv_heads, dim).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)

@@ -39,6 +39,39 @@ def _prepared(model_dir: Path, dtype: torch.dtype):
     return model, loaded.tokenizer
 
 
+def _random_model(model_type: str, **overrides):
+    """A small randomly initialised model of another Llama-like architecture, with random
+    (not zero or one) biases and norm weights so that every term is exercised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.5 + (0.0 if name.endswith("bias") else 1))
+    return model
+
+
+OTHER_ARCHITECTURES = {
+    "qwen2": {},  # biases on q, k and v
+    "qwen3": {},  # per-head norms on q and k
+    "mistral": {"sliding_window": None},
+}
+
+
 def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
     cache = append_cache()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -53,12 +86,7 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
     return out.past_key_values, out.logits[:, -1, :].argmax(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("padded", [False, True])
-def test_lean_steps_equal_the_model_forward(
-    tiny_model_dir: Path, dtype: torch.dtype, padded: bool
-) -> None:
-    model, _ = _prepared(tiny_model_dir, dtype)
+def _assert_lean_steps_equal_the_model_forward(model, padded: bool) -> None:
     lean = LeanDecoder.build(model)
     assert lean is not None and lean.current()
     gen = torch.Generator().manual_seed(0)
@@ -89,6 +117,40 @@ def test_lean_steps_equal_the_model_forward(
         for stock_layer, lean_layer in zip(stock_cache.layers, lean_cache.layers, strict=True):
             assert torch.equal(stock_layer.keys, lean_layer.keys)
             assert torch.equal(stock_layer.values, lean_layer.values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_lean_steps_equal_the_model_forward(
+    tiny_model_dir: Path, dtype: torch.dtype, padded: bool
+) -> None:
+    model, _ = _prepared(tiny_model_dir, dtype)
+    _assert_lean_steps_equal_the_model_forward(model, padded)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model_type", sorted(OTHER_ARCHITECTURES))
+def test_lean_steps_equal_the_forward_of_related_architectures(
+    model_type: str, dtype: torch.dtype
+) -> None:
+    model = _random_model(model_type, **OTHER_ARCHITECTURES[model_type]).to(dtype)
+    assert use_decode_attention(model)
+    pack_linear_weights(model)
+    _assert_lean_steps_equal_the_model_forward(model, padded=True)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("mistral", {"sliding_window": 8}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    ],
+)
+def test_sliding_window_models_keep_the_model_forward(model_type: str, overrides) -> None:
+    model = _random_model(model_type, **overrides)
+    use_decode_attention(model)
+    pack_linear_weights(model)
+    assert LeanDecoder.build(model) is None
 
 
 def test_weights_changed_in_place_switch_the_lean_step_off(tiny_model_dir: Path) -> None:
