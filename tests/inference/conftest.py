@@ -15,6 +15,21 @@ from tests.conftest import ServeProcess, start_server  # noqa: E402
 SERVED_NAME = "tiny"
 
 
+def _packed_dtypes() -> list:
+    from atroposlib.inference.packed_linear import packing_supported
+
+    bf16_missing = not packing_supported(torch.bfloat16)
+    reason = "no bf16 oneDNN kernels on this CPU"
+    return [
+        torch.float32,
+        pytest.param(torch.bfloat16, marks=pytest.mark.skipif(bf16_missing, reason=reason)),
+    ]
+
+
+#: The dtypes with prepacked kernels, for parametrising tests (bf16 skipped where missing).
+PACKED_DTYPES = _packed_dtypes()
+
+
 @pytest.fixture(scope="session")
 def reference_model(tiny_model_dir: Path):
     """The tiny model loaded in-process, to check the server's log-probs against."""

@@ -15,20 +15,11 @@ from atroposlib.inference.lean_decode import LeanDecoder
 from atroposlib.inference.models import load_model
 from atroposlib.inference.packed_linear import pack_linear_weights, packing_supported
 from atroposlib.inference.sampling import SamplingParams
+from tests.inference.conftest import PACKED_DTYPES as DTYPES
 
 pytestmark = pytest.mark.skipif(
     not packing_supported(torch.float32), reason="oneDNN is not available"
 )
-
-DTYPES = [
-    torch.float32,
-    pytest.param(
-        torch.bfloat16,
-        marks=pytest.mark.skipif(
-            not packing_supported(torch.bfloat16), reason="no bf16 oneDNN kernels on this CPU"
-        ),
-    ),
-]
 
 
 def _prepared(model_dir: Path, dtype: torch.dtype):

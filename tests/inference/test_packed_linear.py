@@ -16,16 +16,7 @@ from atroposlib.inference.packed_linear import (
     packing_supported,
     unpack_linear_weights,
 )
-
-DTYPES = [
-    torch.float32,
-    pytest.param(
-        torch.bfloat16,
-        marks=pytest.mark.skipif(
-            not packing_supported(torch.bfloat16), reason="no bf16 oneDNN kernels on this CPU"
-        ),
-    ),
-]
+from tests.inference.conftest import PACKED_DTYPES as DTYPES
 
 
 def _tolerances(dtype: torch.dtype) -> dict[str, float]:
