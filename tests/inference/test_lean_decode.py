@@ -63,9 +63,8 @@ OTHER_ARCHITECTURES = {
 }
 
 
-def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
-    cache = append_cache()
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+def _forward(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
+    """The ``transformers`` forward pass as the engine calls it: last position's logits."""
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -74,7 +73,13 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
         use_cache=True,
         logits_to_keep=1,
     )
-    return out.past_key_values, out.logits[:, -1, :].argmax(-1, keepdim=True)
+    return out.logits[:, -1, :]
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
+    cache = append_cache()
+    logits = _forward(model, ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0), cache)
+    return cache, logits.argmax(-1, keepdim=True)
 
 
 def _assert_lean_steps_equal_the_model_forward(model, padded: bool) -> None:
@@ -92,14 +97,7 @@ def _assert_lean_steps_equal_the_model_forward(model, padded: bool) -> None:
         for _ in range(6):
             mask = torch.cat([mask, mask.new_ones((3, 1))], dim=1)
             positions = mask.sum(dim=1, keepdim=True) - 1
-            stock = model(
-                input_ids=stock_tokens,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=stock_cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1, :]
+            stock = _forward(model, stock_tokens, mask, positions, stock_cache)
             got = lean(lean_tokens, mask, positions, lean_cache)
             # The same operations in the same order: the very same numbers.
             assert torch.equal(got, stock)
