@@ -267,14 +267,11 @@ class GenerationEngine:
         # ``compile`` keeps the stock cache.
         self.fast_decode = fast_decode
         self._append_cache = fast_decode and not compile
-        if fast_decode:
-            use_decode_attention(model)
         self._pack_linears = fast_decode and not compile
-        if self._pack_linears:
-            pack_linear_weights(model)
         # Llama-architecture models decode without transformers' per-call overhead.
         self._lean_decode = lean_decode and self._pack_linears
-        self._lean = LeanDecoder.build(model) if self._lean_decode else None
+        self.device = next(model.parameters()).device
+        self.prepare_model(model)
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
         self._decode_model = model
@@ -289,7 +286,6 @@ class GenerationEngine:
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.weights_version = 0
-        self.device = next(model.parameters()).device
 
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
@@ -390,6 +386,11 @@ class GenerationEngine:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def _lean(self) -> LeanDecoder | None:
+        """The lean decode step of the served model (built by :meth:`prepare_model`)."""
+        return getattr(self.model, "_atropos_lean", None)
 
     @property
     def decode_path(self) -> str:
@@ -524,10 +525,8 @@ class GenerationEngine:
             with torch.inference_mode(False), torch.no_grad():
                 self.model.load_state_dict(model.state_dict())
         else:
-            if self.fast_decode:
-                use_decode_attention(model)
+            # prepare_model (in request_reload) set up its attention, packed weights and lean step.
             self.model = self._decode_model = model
-            self._lean = getattr(model, "_atropos_lean", None)
         self.weights_version += 1
         self._pending_reload = None
         info = ReloadInfo(
