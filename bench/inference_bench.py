@@ -29,7 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -101,6 +103,8 @@ async def run_requests(
 
     return sum(await asyncio.gather(*(one(i) for i in range(count))))
 
+
+T = TypeVar("T")
 
 WORKLOADS = ("single", "sequential", "concurrent8", "group8", "concurrent32")
 
@@ -204,29 +208,34 @@ async def compare(
     other (the order alternates between rounds) with the idle server paused, so drifting
     load on the machine hits both alike. Prints each server's median and the ratio."""
     servers = {"ours": ours, "theirs": theirs}
+    other = {"ours": "theirs", "theirs": "ours"}
     clients = {name: _client(url) for name, (url, _, _) in servers.items()}
     rates: dict[str, dict[str, list[float]]] = {
         name: {key: [] for key in workloads} for name in servers
     }
+
+    async def alone(name: str, work: Awaitable[T]) -> T:
+        """Await ``work`` (not started yet) with the other server paused, resumed whatever
+        happens."""
+        pause(servers[other[name]][2], True)
+        try:
+            return await work
+        finally:
+            pause(servers[other[name]][2], False)
+
     try:
-        for name, (_, model, _) in servers.items():
-            pause(servers["theirs" if name == "ours" else "ours"][2], True)
-            await run_requests(clients[name], model, 2, 8)  # warm-up
-            pause(servers["theirs" if name == "ours" else "ours"][2], False)
+        for name, (_, model, _) in servers.items():  # warm-up
+            await alone(name, run_requests(clients[name], model, 2, 8))
         for round_ in range(repeat):
             order = ["ours", "theirs"] if round_ % 2 == 0 else ["theirs", "ours"]
             for key in WORKLOADS:
                 if key not in workloads:
                     continue
                 for name in order:
-                    other = "theirs" if name == "ours" else "ours"
-                    pause(servers[other][2], True)
-                    try:
-                        print(f"[{name}] ", end="")
-                        rate = await timed(clients[name], servers[name][1], key, max_tokens)
-                        rates[name][key].append(rate)
-                    finally:
-                        pause(servers[other][2], False)
+                    print(f"[{name}] ", end="")
+                    work = timed(clients[name], servers[name][1], key, max_tokens)
+                    rate = await alone(name, work)
+                    rates[name][key].append(rate)
     finally:
         for client in clients.values():
             await client.close()
