@@ -1,8 +1,19 @@
 """Arithmetic: a small offline environment (no dataset download, no network besides the
-inference server).
+inference server), and the task of the quick start's learning recipe.
 
-Problems like ``What is 17 * 4?`` are generated from a seeded RNG. Each reply is scored by
-its last integer: 1.0 for the exact answer, -0.5 for a wrong number, -1.0 for no number at all.
+Problems like ``What is 17 - 4?`` (operands 0..``max_operand``, operators from ``operators``)
+are generated from a seeded RNG. The prompt asks for only the final integer, and a reply is
+graded by its **first** integer: ``13`` and ``13, since 17 - 4 = 13`` are right, ``17 - 4 = 13``
+is wrong (it answers 17 first). SmolLM2-135M-Instruct restates the question before answering
+almost every time, so it gets ~5% of these right at first.
+
+Held out: ``num_eval_problems`` distinct problems (from their own generator, ``eval_seed``) are
+what ``evaluate`` asks, greedily; training never draws one of them, whatever its ``seed``.
+
+Reward of a sampled reply (``score_reply``): 1.0 when its first integer is the answer, else
+``partial_credit`` when the answer appears later in it, else 0.0 (-``format_penalty`` when it
+holds no integer at all); minus ``length_penalty`` per reply token beyond the answer's own.
+The defaults reward only correct answers, scored as evaluate() grades them.
 
 Defaults fit the embedded server (``atropos-serve --port 9001``, SmolLM2-135M-Instruct):
 
@@ -18,12 +29,13 @@ with ``openai`` the chat is re-tokenized locally and ``inference_logprobs`` are 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import time
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atroposlib.envs.base import (
     APIServerConfig,
@@ -36,21 +48,52 @@ from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 SYSTEM_PROMPT = "You are a calculator. Reply with only the final integer answer."
 _INT = re.compile(r"-?\d+")
 _OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_EVAL_SEED_OFFSET = 1_000_003
 
 
 class ArithmeticEnvConfig(BaseEnvConfig):
     """Settings of the arithmetic environment."""
 
     max_operand: int = Field(default=20, ge=1, description="Operands are drawn from 0..max_operand")
-    operators: str = Field(default="+-*", description="Operators to use, any of '+', '-' and '*'")
-    seed: int = Field(default=0, description="Seed of the problem generator")
+    operators: str = Field(default="+-", description="Operators to use, any of '+', '-' and '*'")
+    seed: int = Field(default=0, description="Seed of the training problem generator")
+    eval_seed: int = Field(
+        default=0, description="Seed of the held-out problems (independent of seed)"
+    )
     num_eval_problems: int = Field(
-        default=32, ge=1, description="How many fixed problems evaluate() asks"
+        default=200,
+        ge=1,
+        description="Distinct held-out problems evaluate() asks (greedy); training never uses them",
     )
     max_answer_tokens: int = Field(
         default=16, ge=1, description="Generation budget per reply (tokens)"
     )
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature")
+    system_prompt: str = Field(default=SYSTEM_PROMPT, description="System message of each chat")
+    partial_credit: float = Field(
+        default=0.0,
+        description="Reward when the answer appears in the reply but is not its first integer",
+    )
+    format_penalty: float = Field(
+        default=0.0, ge=0.0, description="Subtracted when a reply holds no integer at all"
+    )
+    length_penalty: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Subtracted per reply token beyond the answer's own tokens (penalises rambling)",
+    )
+
+    @model_validator(mode="after")
+    def _check_operators(self) -> ArithmeticEnvConfig:
+        bad = sorted(set(self.operators) - set(_OPERATORS))
+        if bad or not self.operators:
+            raise ValueError(f"operators: use any of '+', '-', '*' (got {self.operators!r})")
+        return self
+
+
+def problem_space(max_operand: int, operators: str) -> int:
+    """How many distinct problems the settings allow."""
+    return (max_operand + 1) ** 2 * len(set(operators))
 
 
 def make_problem(rng: random.Random, max_operand: int, operators: str) -> dict[str, Any]:
@@ -60,13 +103,48 @@ def make_problem(rng: random.Random, max_operand: int, operators: str) -> dict[s
     return {"question": f"What is {a} {op} {b}?", "answer": _OPERATORS[op](a, b)}
 
 
-def score_reply(reply: str | None, answer: int) -> float:
-    """1.0 when the reply's last integer is ``answer``, -0.5 for another integer, -1.0 when
-    it has none."""
-    numbers = _INT.findall(reply or "")
+def held_out_problems(seed: int, count: int, max_operand: int, operators: str) -> list[dict]:
+    """``count`` distinct problems from the evaluation generator (its own seed space)."""
+    if count > problem_space(max_operand, operators) // 2:
+        raise ValueError(
+            f"num_eval_problems={count} would hold out more than half of the "
+            f"{problem_space(max_operand, operators)} possible problems; raise max_operand"
+        )
+    rng = random.Random(seed + _EVAL_SEED_OFFSET)
+    seen: dict[str, dict[str, Any]] = {}
+    while len(seen) < count:
+        problem = make_problem(rng, max_operand, operators)
+        seen.setdefault(problem["question"], problem)
+    return list(seen.values())
+
+
+def first_integer(reply: str | None) -> int | None:
+    """The first integer of a reply (what evaluate() grades), or None."""
+    match = _INT.search(reply or "")
+    return int(match.group()) if match else None
+
+
+def score_reply(
+    reply: str | None,
+    answer: int,
+    *,
+    partial_credit: float = 0.0,
+    format_penalty: float = 0.0,
+    extra_tokens: int = 0,
+    length_penalty: float = 0.0,
+) -> float:
+    """Reward of one reply (see the module docstring); ``extra_tokens`` is the reply's length in
+    tokens beyond the answer's own."""
+    numbers = [int(n) for n in _INT.findall(reply or "")]
     if not numbers:
-        return -1.0
-    return 1.0 if int(numbers[-1]) == answer else -0.5
+        score = -format_penalty
+    elif numbers[0] == answer:
+        score = 1.0
+    elif answer in numbers:
+        score = partial_credit
+    else:
+        score = 0.0
+    return score - length_penalty * max(extra_tokens, 0)
 
 
 class ArithmeticEnv(BaseEnv):
@@ -97,7 +175,7 @@ class ArithmeticEnv(BaseEnv):
                 base_url="http://localhost:9001/v1",
                 api_key="x",
                 server_type="vllm",
-                num_requests_for_eval=16,
+                num_requests_for_eval=64,
                 timeout=120,
             )
         ]
@@ -106,27 +184,42 @@ class ArithmeticEnv(BaseEnv):
     async def setup(self) -> None:
         cfg = self.config
         self.rng = random.Random(cfg.seed)
-        eval_rng = random.Random(cfg.seed + 1_000_003)
-        self.eval_problems = [
-            make_problem(eval_rng, cfg.max_operand, cfg.operators)
-            for _ in range(cfg.num_eval_problems)
-        ]
+        self.eval_problems = held_out_problems(
+            cfg.eval_seed, cfg.num_eval_problems, cfg.max_operand, cfg.operators
+        )
+        self._held_out = {p["question"] for p in self.eval_problems}
         self.iter = 0
         self.percent_correct_buffer: list[float] = []
 
     async def get_next_item(self) -> dict[str, Any]:
+        """The next training problem: never one of the held-out evaluation problems."""
         self.iter += 1
-        return make_problem(self.rng, self.config.max_operand, self.config.operators)
+        while True:
+            problem = make_problem(self.rng, self.config.max_operand, self.config.operators)
+            if problem["question"] not in self._held_out:
+                return problem
 
     def _messages(self, question: str) -> list[dict[str, str]]:
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": question},
-        ]
+        messages = [{"role": "user", "content": question}]
+        if self.config.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        return messages
 
     def _uses_token_server(self) -> bool:
         server = self.server.servers[0] if self.server.servers else None
         return bool(getattr(server, "provides_token_logprobs", False))
+
+    def _score(self, text: str, answer: int, reply_tokens: int) -> float:
+        cfg = self.config
+        answer_tokens = len(self.tokenizer.encode(str(answer), add_special_tokens=False)) + 1
+        return score_reply(
+            text,
+            answer,
+            partial_credit=cfg.partial_credit,
+            format_penalty=cfg.format_penalty,
+            extra_tokens=reply_tokens - answer_tokens,  # +1 above: the end-of-turn token
+            length_penalty=cfg.length_penalty,
+        )
 
     async def collect_trajectories(self, item: dict[str, Any]) -> tuple[ScoredDataGroup, list]:
         messages = self._messages(item["question"])
@@ -143,6 +236,7 @@ class ArithmeticEnv(BaseEnv):
             "messages": [],
             "group_overrides": {},
         }
+        correct = []
         if self._uses_token_server():
             async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
                 reply = await managed.chat_completion(**kwargs)
@@ -150,11 +244,13 @@ class ArithmeticEnv(BaseEnv):
             group["inference_logprobs"] = []
             for choice, node in zip(reply.choices, nodes, strict=True):
                 text = choice.message.content or ""
+                reply_tokens = sum(1 for m in node.masked_tokens if m != -100)
                 group["tokens"].append(list(node.tokens))
                 group["masks"].append(list(node.masked_tokens))
                 group["inference_logprobs"].append(list(node.logprobs))
-                group["scores"].append(score_reply(text, item["answer"]))
+                group["scores"].append(self._score(text, item["answer"], reply_tokens))
                 group["messages"].append([*messages, {"role": "assistant", "content": text}])
+                correct.append(first_integer(text) == item["answer"])
         else:
             reply = await self.server.chat_completion(**kwargs)
             for choice in reply.choices:
@@ -163,45 +259,59 @@ class ArithmeticEnv(BaseEnv):
                 out = tokenize_for_trainer(
                     self.tokenizer, chat, finish_reason=choice.finish_reason or ""
                 )
+                reply_tokens = sum(1 for m in out["masks"] if m != -100)
                 group["tokens"].append(out["tokens"])
                 group["masks"].append(out["masks"])
-                group["scores"].append(score_reply(text, item["answer"]))
+                group["scores"].append(self._score(text, item["answer"], reply_tokens))
                 group["messages"].append(chat)
+                correct.append(first_integer(text) == item["answer"])
         if len(group["tokens"]) != self.config.group_size:
             group["group_overrides"]["group_size"] = len(group["tokens"])
-        self.percent_correct_buffer.extend(1.0 if s == 1.0 else 0.0 for s in group["scores"])
+        self.percent_correct_buffer.extend(1.0 if ok else 0.0 for ok in correct)
         return group, []
 
+    async def _ask(self, problem: dict[str, Any]) -> dict[str, Any]:
+        reply = await self.server.chat_completion(
+            messages=self._messages(problem["question"]),
+            n=1,
+            max_tokens=self.config.max_answer_tokens,
+            temperature=0.0,
+            split="eval",
+        )
+        text = reply.choices[0].message.content or ""
+        given = first_integer(text)
+        numbers = [int(n) for n in _INT.findall(text)]
+        return {
+            "question": problem["question"],
+            "gold_answer": str(problem["answer"]),
+            "model_parsed": None if given is None else str(given),
+            "response": text,
+            "score": int(given == problem["answer"]),
+            "correct": given == problem["answer"],
+            "answer_anywhere": problem["answer"] in numbers,
+            "bare": text.strip().rstrip(".") == str(problem["answer"]),
+            "finish_reason": reply.choices[0].finish_reason,
+        }
+
     async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Ask every held-out problem greedily; grade each reply by its first integer.
+
+        Metrics: ``eval/percent_correct`` (the grade), ``eval/answer_anywhere`` (the answer
+        appears somewhere in the reply), ``eval/bare_answer`` (the reply is only the answer),
+        ``eval/mean_reply_chars``.
+        """
         start = time.time()
-        samples = []
-        correct = 0
-        for problem in self.eval_problems:
-            reply = await self.server.chat_completion(
-                messages=self._messages(problem["question"]),
-                n=1,
-                max_tokens=self.config.max_answer_tokens,
-                temperature=0.0,
-                split="eval",
-            )
-            text = reply.choices[0].message.content or ""
-            ok = score_reply(text, problem["answer"]) == 1.0
-            correct += ok
-            samples.append(
-                {
-                    "question": problem["question"],
-                    "gold_answer": str(problem["answer"]),
-                    "model_parsed": (_INT.findall(text) or [None])[-1],
-                    "response": text,
-                    "score": int(ok),
-                    "correct": ok,
-                    "finish_reason": reply.choices[0].finish_reason,
-                }
-            )
-        metrics = {"eval/percent_correct": correct / len(self.eval_problems)}
+        samples = await asyncio.gather(*(self._ask(p) for p in self.eval_problems))
+        n = len(samples)
+        metrics = {
+            "eval/percent_correct": sum(s["correct"] for s in samples) / n,
+            "eval/answer_anywhere": sum(s["answer_anywhere"] for s in samples) / n,
+            "eval/bare_answer": sum(s["bare"] for s in samples) / n,
+            "eval/mean_reply_chars": sum(len(s["response"]) for s in samples) / n,
+        }
         await self.evaluate_log(
             metrics,
-            samples=samples,
+            samples=list(samples),
             start_time=start,
             end_time=time.time(),
             generation_parameters={"temperature": 0.0, "max_tokens": self.config.max_answer_tokens},

@@ -72,8 +72,30 @@ class TrainingConfig(BaseModel):
         "float32 on the CPU (pure-bf16 AdamW on CPU loses small updates).",
     )
     gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in the backward pass: less memory, ~15-30% slower. "
+        "Turn it on for long sequences or models that do not fit otherwise.",
+    )
+    share_prompt_prefix: bool = Field(
         default=True,
-        description="Recompute activations in the backward pass (less memory, ~30% slower).",
+        description="Run the prompt a group's sequences share once per micro-batch instead of "
+        "once per sequence (same gradient, far fewer tokens for short completions).",
+    )
+    skip_zero_advantage: bool = Field(
+        default=True,
+        description="Do not run sequences whose advantage is 0 on every trained token (they add "
+        "nothing to the gradient). Ignored when kl_coef > 0.",
+    )
+    pad_multiple: int = Field(
+        default=8,
+        ge=1,
+        description="Sequences are sorted by length and each micro-batch is padded to its own "
+        "longest, rounded up to a multiple of this.",
+    )
+    upstream_padding: bool = Field(
+        default=False,
+        description="Upstream's layout instead: every sequence of the batch padded to one length "
+        "L with L-1 a multiple of 64, no prompt sharing, no skipping.",
     )
     seed: int = Field(default=0, description="Seed for torch's random number generators.")
 
@@ -189,6 +211,11 @@ class TrainingConfig(BaseModel):
         "the newest one under save_path: restores model, optimizer and step, and registers "
         "with that starting_step.",
     )
+    metrics_file: str | None = Field(
+        default=None,
+        description="JSON-lines file of per-step metrics, appended (default: "
+        "save_path/metrics.jsonl).",
+    )
     use_wandb: bool = Field(default=False, description="Log metrics to Weights & Biases.")
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
         default=None,
@@ -218,6 +245,12 @@ class TrainingConfig(BaseModel):
     def save_dir(self) -> Path:
         """``save_path`` as a Path."""
         return Path(self.save_path).expanduser()
+
+    def metrics_path(self) -> Path:
+        """Where per-step metrics go."""
+        if self.metrics_file:
+            return Path(self.metrics_file).expanduser()
+        return self.save_dir() / "metrics.jsonl"
 
 
 # ------------------------------------------------------------------------------ command line

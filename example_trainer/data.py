@@ -1,18 +1,34 @@
-"""Turning a batch from ``GET /batch`` into padded training tensors.
+"""Turning a batch from ``GET /batch`` into training tensors, with as little wasted work as possible.
 
-Padding follows upstream's ``pad_data_to_good_offset``:
+Each sequence of the batch becomes a *row*: ``input_ids = tokens[:-1]`` and ``labels = masks[1:]``
+(a mask holds the token id where it is trained, -100 elsewhere), so position ``t`` of a row
+predicts ``labels[t]``. Rows are grouped into micro-batches (one forward/backward pass each) in
+three ways that never change the gradient:
 
-- Let ``L`` be the longest sequence. If ``L - 1`` is not a multiple of 64, ``L`` becomes
-  ``ceil((L - 1) / 64) * 64 + 1``, so the shifted inputs (``L - 1`` long) have a length that is a
-  multiple of 64 (friendly to GPU kernels, and few distinct shapes).
-- Tokens are right-padded with 0 and masks with -100; ``input_ids = tokens[:-1]`` and
-  ``labels = masks[1:]`` (a mask holds the token id where it is trained, -100 elsewhere).
-  Right-padding needs no attention mask: causal attention never looks forward.
+- **Prompt sharing.** The sequences of a group usually start with the same prompt. When they share
+  at least ``min_shared_prefix`` untrained leading tokens, the prompt goes into
+  ``MicroBatch.prefix_ids`` and is run once per micro-batch; each row then holds only the rest
+  of its sequence (see :func:`example_trainer.forward.policy_logprobs`). For short completions
+  after a long prompt (arithmetic, multiple choice) this removes most of the tokens.
+- **Length buckets.** The other rows are sorted by length and each micro-batch is padded only to
+  its own longest row (rounded up to ``pad_multiple``), instead of the whole batch being padded
+  to one length.
+- **Zero-advantage rows are skipped** (``skip_zero_advantage``, only valid without a KL term): a
+  sequence whose advantage is 0 on every trained token adds nothing to the GRPO gradient. The
+  loss still divides by the batch's full sequence and token counts, so the gradient is the
+  same as if it had been run.
 
-Differences from upstream, on purpose: the last partial micro-batch is kept (upstream's classic
-trainer dropped it); per-token ``inference_logprobs`` are shifted like the labels (NaN where
-missing, and where the value is positive: a real log-probability never is, and envs put 1.0 on
-prompt positions); env-provided ``advantages`` are used instead of scores when present.
+Right-padding needs no attention mask: causal attention never looks forward. Tokens are padded
+with 0, labels with -100.
+
+Upstream's trainer padded every sequence of the batch to one length ``L`` with ``L - 1`` a
+multiple of 64 (``padded_length``); that layout is kept as ``upstream_padding=True`` for GPUs
+where fixed shapes matter more than the extra tokens.
+
+Other differences from upstream, on purpose: the last partial micro-batch is kept (upstream's
+classic trainer dropped it); per-token ``inference_logprobs`` are shifted like the labels (NaN
+where missing, and where the value is positive: a real log-probability never is, and envs put
+1.0 on prompt positions); env-provided ``advantages`` are used instead of scores when present.
 
 Advantages, per group: the env's ``advantages`` (one per token, or one per sequence) when sent;
 else ``(score - mean) / max(std, 1e-8)`` over the group (a group of one keeps its raw score);
@@ -24,28 +40,41 @@ else ``(score - mean) / max(std, 1e-8)`` over the group (a group of one keeps it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 PAD_MULTIPLE = 64
+"""Upstream's padding unit (``padded_length``)."""
 
 
 @dataclass
 class MicroBatch:
-    """One forward/backward pass worth of sequences, padded to a common length."""
+    """One forward/backward pass worth of rows, padded to a common length.
 
-    input_ids: torch.Tensor  # [B, L-1]
-    labels: torch.Tensor  # [B, L-1], -100 where not trained
-    advantages: torch.Tensor  # [B, L-1]
-    old_logprobs: torch.Tensor  # [B, L-1], NaN where unknown
+    ``prefix_ids``, when set, is a prompt every row continues: the model runs it once and the
+    rows attend to its keys and values. Position ``t`` of a row predicts ``labels[t]``.
+    """
+
+    input_ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T], -100 where not trained
+    advantages: torch.Tensor  # [B, T]
+    old_logprobs: torch.Tensor  # [B, T], NaN where unknown
     temperatures: torch.Tensor  # [B]
+    prefix_ids: torch.Tensor | None = None  # [P]
 
     @property
     def mask(self) -> torch.Tensor:
         """1.0 where a token is trained."""
         return (self.labels != -100).float()
+
+    @property
+    def computed_tokens(self) -> int:
+        """Token positions the model runs for this micro-batch (padding included)."""
+        prefix = 0 if self.prefix_ids is None else int(self.prefix_ids.numel())
+        return prefix + int(self.input_ids.numel())
 
 
 @dataclass
@@ -53,10 +82,38 @@ class TrainingBatch:
     """A whole optimizer step: micro-batches plus the numbers the loss normalises by."""
 
     micro_batches: list[MicroBatch]
-    num_sequences: int
-    num_tokens: int  # trained tokens
-    total_tokens: int  # all tokens (prompt + completion), for throughput
+    num_sequences: int  # every sequence of the batch, skipped ones included
+    num_tokens: int  # trained tokens of every sequence, skipped ones included
+    total_tokens: int  # all tokens (prompt + completion) of every sequence
     reward_mean: float
+    skipped_sequences: int = 0  # zero-advantage sequences that were not run
+    group_scores: list[list[float]] = field(default_factory=list)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Token positions actually run through the model (shared prompts once, padding in)."""
+        return sum(mb.computed_tokens for mb in self.micro_batches)
+
+    @property
+    def flat_groups(self) -> int:
+        """Groups whose scores were all equal (no learning signal from them)."""
+        return sum(1 for scores in self.group_scores if len(scores) > 1 and len(set(scores)) == 1)
+
+
+@dataclass
+class _Row:
+    inputs: list[int]  # tokens[:-1]
+    labels: list[int]  # masks[1:]
+    advantages: list[float]  # per position of ``inputs``
+    old: list[float]  # per position, NaN where unknown
+    temperature: float
+    group: int
+
+    def first_trained(self) -> int:
+        for i, label in enumerate(self.labels):
+            if label != -100:
+                return i
+        return len(self.labels)
 
 
 def padded_length(longest: int) -> int:
@@ -102,59 +159,168 @@ def sample_temperature(group: dict[str, Any], index: int) -> float:
     return 1.0
 
 
-def prepare_batch(batch: list[dict[str, Any]], micro_batch_size: int) -> TrainingBatch:
-    """Flatten the groups of one ``/batch`` reply into padded micro-batches."""
-    rows: list[tuple[list[int], list[int], list[float] | float, list[float] | None, float]] = []
+def _row(
+    tokens: Sequence[int],
+    masks: Sequence[int],
+    advantage: list[float] | float,
+    old: Sequence[float | None] | None,
+    temperature: float,
+    group: int,
+) -> _Row:
+    size = len(tokens)
+    if isinstance(advantage, list):
+        adv_full = [float(a) for a in advantage[:size]] + [0.0] * max(0, size - len(advantage))
+    else:
+        adv_full = [float(advantage)] * size
+    old_full = [math.nan] * size
+    if old is not None:
+        for i, value in enumerate(old[:size]):
+            if value is not None and value <= 0:
+                old_full[i] = float(value)
+    return _Row(
+        inputs=list(tokens[:-1]),
+        labels=list(masks[1:size]),
+        advantages=adv_full[1:],
+        old=old_full[1:],
+        temperature=temperature,
+        group=group,
+    )
+
+
+def _no_signal(row: _Row) -> bool:
+    pairs = zip(row.advantages, row.labels, strict=True)
+    return all(a == 0.0 for a, label in pairs if label != -100)
+
+
+def _shared_prefix(rows: list[_Row]) -> int:
+    """Leading input positions every row has in common and none of them trains."""
+    limit = min(min(r.first_trained() for r in rows), min(len(r.inputs) for r in rows) - 1)
+    first = rows[0].inputs
+    length = 0
+    while length < limit and all(r.inputs[length] == first[length] for r in rows[1:]):
+        length += 1
+    return length
+
+
+def _stack(rows: list[_Row], start: int, width: int, prefix: list[int] | None) -> MicroBatch:
+    n = len(rows)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    labels = torch.full((n, width), -100, dtype=torch.long)
+    advantages = torch.zeros(n, width, dtype=torch.float32)
+    old = torch.full((n, width), math.nan, dtype=torch.float32)
+    temps = torch.ones(n, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        size = len(row.inputs) - start
+        input_ids[i, :size] = torch.tensor(row.inputs[start:], dtype=torch.long)
+        labels[i, :size] = torch.tensor(row.labels[start:], dtype=torch.long)
+        advantages[i, :size] = torch.tensor(row.advantages[start:], dtype=torch.float32)
+        old[i, :size] = torch.tensor(row.old[start:], dtype=torch.float32)
+        temps[i] = row.temperature
+    return MicroBatch(
+        input_ids=input_ids,
+        labels=labels,
+        advantages=advantages,
+        old_logprobs=old,
+        temperatures=temps,
+        prefix_ids=None if prefix is None else torch.tensor(prefix, dtype=torch.long),
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return value if multiple <= 1 else math.ceil(value / multiple) * multiple
+
+
+def _chunks(rows: list[_Row], size: int) -> list[list[_Row]]:
+    """``rows`` split into ceil(n / size) near-equal consecutive chunks."""
+    count = math.ceil(len(rows) / size)
+    base, extra = divmod(len(rows), count)
+    out, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        out.append(rows[start:end])
+        start = end
+    return out
+
+
+def prepare_batch(
+    batch: list[dict[str, Any]],
+    micro_batch_size: int,
+    *,
+    share_prefix: bool = True,
+    min_shared_prefix: int = 8,
+    skip_zero_advantage: bool = False,
+    pad_multiple: int = 8,
+    upstream_padding: bool = False,
+) -> TrainingBatch:
+    """Turn the groups of one ``/batch`` reply into micro-batches (see the module docstring).
+
+    Args:
+        batch: the groups, as ``GET /batch`` returns them.
+        micro_batch_size: most rows per micro-batch.
+        share_prefix: run a group's common untrained prompt once per micro-batch.
+        min_shared_prefix: shortest common prompt (tokens) worth sharing.
+        skip_zero_advantage: leave out rows whose advantage is 0 on every trained token (only
+            correct when the loss has no term but the advantage-weighted one, i.e. no KL).
+        pad_multiple: each micro-batch's length is rounded up to a multiple of this.
+        upstream_padding: upstream's layout instead: one length for the whole batch (``L - 1``
+            a multiple of 64), batch order kept, no sharing.
+    """
+    rows: list[_Row] = []
     scores: list[float] = []
-    for group in batch:
+    group_scores: list[list[float]] = []
+    total_tokens = 0
+    for g, group in enumerate(batch):
         advantages = group_advantages(group)
         inference = group.get("inference_logprobs")
-        scores.extend(float(s) for s in group["scores"])
+        group_scores.append([float(s) for s in group["scores"]])
+        scores.extend(group_scores[-1])
         for i, tokens in enumerate(group["tokens"]):
             old = inference[i] if inference is not None and i < len(inference) else None
+            total_tokens += len(tokens)
             rows.append(
-                (tokens, group["masks"][i], advantages[i], old, sample_temperature(group, i))
+                _row(tokens, group["masks"][i], advantages[i], old, sample_temperature(group, i), g)
             )
     if not rows:
         raise ValueError("empty batch: no sequences to train on")
-    length = padded_length(max(len(tokens) for tokens, *_ in rows))
+    num_sequences = len(rows)
+    num_tokens = sum(sum(1 for label in r.labels if label != -100) for r in rows)
 
-    micro_batches = []
-    for start in range(0, len(rows), micro_batch_size):
-        chunk = rows[start : start + micro_batch_size]
-        n = len(chunk)
-        tokens_t = torch.zeros(n, length, dtype=torch.long)
-        masks_t = torch.full((n, length), -100, dtype=torch.long)
-        adv_t = torch.zeros(n, length, dtype=torch.float32)
-        old_t = torch.full((n, length), float("nan"), dtype=torch.float32)
-        temps = torch.ones(n, dtype=torch.float32)
-        for row, (tokens, mask, adv, old, temp) in enumerate(chunk):
-            size = len(tokens)
-            tokens_t[row, :size] = torch.tensor(tokens, dtype=torch.long)
-            masks_t[row, :size] = torch.tensor(mask, dtype=torch.long)
-            if isinstance(adv, list):
-                adv_t[row, : len(adv)] = torch.tensor(adv, dtype=torch.float32)
-            else:
-                adv_t[row, :size] = adv
-            if old is not None:
-                values = torch.tensor([math.nan if v is None else v for v in old])
-                values[values > 0] = math.nan
-                old_t[row, : len(values)] = values
-            temps[row] = temp
-        micro_batches.append(
-            MicroBatch(
-                input_ids=tokens_t[:, :-1],
-                labels=masks_t[:, 1:],
-                advantages=adv_t[:, 1:],
-                old_logprobs=old_t[:, 1:],
-                temperatures=temps,
-            )
-        )
-    num_tokens = int(sum(int((mb.labels != -100).sum()) for mb in micro_batches))
+    micro_batches: list[MicroBatch] = []
+    if upstream_padding:
+        width = padded_length(max(len(r.inputs) + 1 for r in rows)) - 1
+        for start in range(0, len(rows), micro_batch_size):
+            micro_batches.append(_stack(rows[start : start + micro_batch_size], 0, width, None))
+        return TrainingBatch(
+            micro_batches, num_sequences, num_tokens, total_tokens,
+            sum(scores) / len(scores), 0, group_scores,
+        )  # fmt: skip
+
+    kept = [r for r in rows if not (skip_zero_advantage and _no_signal(r))]
+    skipped = num_sequences - len(kept)
+    loose: list[_Row] = []
+    by_group: dict[int, list[_Row]] = {}
+    for row in kept:
+        by_group.setdefault(row.group, []).append(row)
+    for group_rows in by_group.values():
+        prefix = _shared_prefix(group_rows) if share_prefix and len(group_rows) > 1 else 0
+        if prefix < max(min_shared_prefix, 1):
+            loose.extend(group_rows)
+            continue
+        shared = group_rows[0].inputs[:prefix]
+        for chunk in _chunks(group_rows, micro_batch_size):
+            width = _round_up(max(len(r.inputs) for r in chunk) - prefix, pad_multiple)
+            micro_batches.append(_stack(chunk, prefix, width, shared))
+    loose.sort(key=lambda r: len(r.inputs))
+    if loose:
+        for chunk in _chunks(loose, micro_batch_size):
+            width = _round_up(max(len(r.inputs) for r in chunk), pad_multiple)
+            micro_batches.append(_stack(chunk, 0, width, None))
     return TrainingBatch(
         micro_batches=micro_batches,
-        num_sequences=len(rows),
+        num_sequences=num_sequences,
         num_tokens=num_tokens,
-        total_tokens=sum(len(tokens) for tokens, *_ in rows),
+        total_tokens=total_tokens,
         reward_mean=sum(scores) / len(scores),
+        skipped_sequences=skipped,
+        group_scores=group_scores,
     )

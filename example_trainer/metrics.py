@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 
 class TrainingLogger:
@@ -33,6 +40,10 @@ class TrainingLogger:
     ) -> None:
         self.console = Console(stderr=True)
         self.metrics_path = metrics_path
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self._start_step = start_step
+        self._started = time.monotonic()
         self.wandb_run = wandb_run
         self._progress = None
         if progress and self.console.is_terminal:
@@ -41,6 +52,8 @@ class TrainingLogger:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
                 TextColumn("{task.description}"),
                 console=self.console,
             )
@@ -66,7 +79,11 @@ class TrainingLogger:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=line)
         else:
-            self.console.print(line, highlight=False)
+            done = step - self._start_step
+            eta = (time.monotonic() - self._started) / max(done, 1) * (self.total_steps - step)
+            self.console.print(
+                f"[{step}/{self.total_steps}, ETA {_clock(eta)}] {line}", highlight=False
+            )
         if self.wandb_run is not None:
             self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
 
@@ -76,3 +93,8 @@ class TrainingLogger:
             self._progress.stop()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

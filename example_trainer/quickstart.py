@@ -4,31 +4,43 @@ It starts, as child processes it owns: ``run-api``, an inference server (``atrop
 SmolLM2-135M-Instruct by default; ``--inference vllm`` lets the trainer launch and restart vLLM
 instead, for GPU machines), and one environment in ``serve`` mode (``environments/
 arithmetic_server.py`` by default, offline). Then it trains with the GRPO trainer in this
-process for a few steps, reloading the server's weights after every step, and writes into the
-output folder:
+process, reloading the server's weights after every step, and writes into the output folder:
 
     OUTPUT/rollouts.jsonl, rollouts.html   what the environment generated and how it scored
-    OUTPUT/checkpoints/step_N, final_model  checkpoints (loadable by atropos-serve and vLLM)
-    OUTPUT/checkpoints/metrics.jsonl        loss, reward, tokens/s, sync time per step
+    OUTPUT/checkpoints/step_N               recent checkpoints (loadable by atropos-serve, vLLM)
+    OUTPUT/final_model                      the trained model
+    OUTPUT/metrics.jsonl                    every number: per step loss, reward, entropy,
+                                            tokens/s, sync time; held-out evaluations
     OUTPUT/logs/*.log                       each child's log
 
-Every child is stopped on exit, on Ctrl-C and on SIGTERM.
+With ``--eval`` (on in every recipe) it also runs the environment's own ``evaluate`` on its
+held-out split, greedily, against the served weights: before training (``eval_before.json``),
+every ``--eval-every`` steps, and after the last step (``eval_after.json``); prints a
+before/after table and draws ``training_curves.png``.
+
+``--recipe NAME`` picks a tested set of settings (see ``example_trainer/recipes.py``); any flag
+given on the command line still wins. ``--resume`` continues an interrupted run in the same
+output folder. Every child is stopped on exit, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
 
 import _thread
 import argparse
+import json
 import logging
+import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from example_trainer.api import TrajectoryAPIError
 from example_trainer.inference_process import ChildProcess, InferenceLaunchError
+from example_trainer.recipes import RECIPES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -39,8 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atropos-quickstart",
         description="Run run-api, an inference server, one environment and the GRPO trainer "
-        "together for a few steps (CPU-friendly defaults).",
+        "together (CPU-friendly defaults). --recipe NAME picks a tested learning setup.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default=None,
+        help="A named set of settings that is known to learn: "
+        + "; ".join(f"{name}: {r.summary}" for name, r in sorted(RECIPES.items()))
+        + ". Flags given on the command line override the recipe's.",
     )
     parser.add_argument(
         "--env",
@@ -76,6 +96,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=int, default=256, help="Longest sequence the trainer accepts."
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the trainer and of the environment's training problems (env.seed); the "
+        "held-out evaluation set does not depend on it.",
+    )
+    parser.add_argument(
+        "--eval",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Evaluate on the env's held-out split (its evaluate command, greedy) before "
+        "training, every --eval-every steps and after; write eval_before.json, "
+        "eval_after.json and training_curves.png.",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="Steps between held-out evaluations during training (0: only before and after).",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue the run in --output from its newest resumable checkpoint.",
+    )
+    parser.add_argument(
         "--device", default=None, help="Trainer device (default: cuda if available, else cpu)."
     )
     parser.add_argument("--api-port", type=int, default=0, help="run-api port (0: a free port).")
@@ -93,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ARG",
         help="Extra vLLM argument, repeatable (--vllm-arg=--max-model-len --vllm-arg=2048).",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="Extra atropos-serve argument, repeatable (--serve-arg=--dtype --serve-arg=float32).",
     )
     parser.add_argument(
         "--batch-timeout",
@@ -113,7 +166,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAG=VALUE",
         help="Extra environment flag, repeatable, e.g. --env-arg env.max_operand=10.",
     )
+    parser.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="Any GRPO trainer setting (atropos-grpo --help), repeatable, e.g. "
+        "--trainer-arg clip_eps=0.3 --trainer-arg kl_coef=0.01.",
+    )
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Flags, with a recipe's values as defaults (flags on the command line still win)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.recipe is None:
+        args.env_args, args.trainer_args = list(args.env_arg), list(args.trainer_arg)
+        return args
+    recipe = RECIPES[args.recipe]
+    parser.set_defaults(**recipe.flags)
+    args = parser.parse_args(argv)
+    # the recipe's env/trainer settings first, so the user's repeated ones come later and win
+    args.env_args = [*recipe.env_args, *args.env_arg]
+    args.trainer_args = [*recipe.trainer_args, *args.trainer_arg]
+    return args
 
 
 def find_env_file(env: str) -> Path:
@@ -156,25 +233,113 @@ def _watch(children: list[ChildProcess], stop: threading.Event, failed: list[str
                 return
 
 
+def _flag_list(pairs: Sequence[str], what: str) -> list[str]:
+    """``["env.x=1", ...]`` as argv ``["--env.x", "1", ...]``."""
+    argv: list[str] = []
+    for pair in pairs:
+        flag, sep, value = pair.partition("=")
+        if not sep or not flag.strip("-"):
+            raise SystemExit(f"atropos-quickstart: {what} {pair!r}: expected FLAG=VALUE")
+        argv += [f"--{flag.lstrip('-')}", value]
+    return argv
+
+
+def _trainer_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--trainer-arg FIELD=VALUE`` pairs as TrainingConfig fields (values parsed as YAML)."""
+    import yaml
+
+    from example_trainer.config import TrainingConfig
+
+    fields = TrainingConfig.model_fields
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or key not in fields:
+            known = ", ".join(sorted(fields))
+            raise SystemExit(
+                f"atropos-quickstart: --trainer-arg {pair!r}: expected FIELD=VALUE with FIELD "
+                f"one of: {known}"
+            )
+        out[key] = yaml.safe_load(value) if value else None
+    return out
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    def fail(message: str) -> None:
+        raise SystemExit(f"atropos-quickstart: {message}")
+
+    for name in ("steps", "group_size", "batch_size", "micro_batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size % args.group_size:
+        fail("--batch-size must be a multiple of --group-size")
+    if args.batch_size % args.micro_batch_size:
+        fail("--batch-size must be a multiple of --micro-batch-size")
+    if args.lr <= 0:
+        fail("--lr must be greater than 0")
+    if args.eval_every < 0:
+        fail("--eval-every must be 0 or more")
+
+
+class _Evaluator:
+    """Held-out evaluations of the served weights: files, metrics records, the final table."""
+
+    def __init__(self, args: argparse.Namespace, env_file: Path, out: Path, **where: str) -> None:
+        self.args, self.env_file, self.out, self.where = args, env_file, out, where
+        self.env_argv = _flag_list(args.env_args, "--env-arg")
+        self.console = logging.getLogger("atropos-quickstart")
+        self.results: dict[int, dict[str, float]] = {}
+
+    def run(self, step: int, label: str) -> dict[str, float]:
+        folder = self.out / "evals" / label
+        self.console.info(
+            "held-out evaluation (%s): running %s evaluate", label, self.env_file.name
+        )
+        from example_trainer.report import run_env_evaluate
+
+        metrics = run_env_evaluate(
+            self.env_file,
+            folder,
+            inference_url=self.where["inference_url"],
+            model_name=self.where["served_name"],
+            tokenizer=self.where["tokenizer"],
+            env_args=self.env_argv,
+            server_type="openai" if self.args.inference == "vllm" else None,
+            cwd=REPO_ROOT,
+        )
+        if label in ("before", "after"):
+            shutil.copyfile(folder / "metrics.json", self.out / f"eval_{label}.json")
+        self.results[step] = metrics
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/"))
+        self.console.info("held-out evaluation (%s, step %d): %s", label, step, shown)
+        return metrics
+
+
 def run(args: argparse.Namespace) -> int:
     """Start everything, train, stop everything; returns the exit status."""
-    if args.batch_size % args.group_size:
-        raise SystemExit("atropos-quickstart: --batch-size must be a multiple of --group-size")
-    if args.batch_size % args.micro_batch_size:
-        raise SystemExit(
-            "atropos-quickstart: --batch-size must be a multiple of --micro-batch-size"
-        )
+    _check_args(args)
     env_file = find_env_file(args.env)
+    trainer_overrides = _trainer_overrides(args.trainer_args)
+    env_argv = _flag_list(args.env_args, "--env-arg")
     # torch and transformers load only once the flags are known to be good
+    from pydantic import ValidationError
+
     from atroposlib.inference.models import resolve_model_source
     from example_trainer.config import TrainingConfig
     from example_trainer.grpo import train
 
     out = Path(args.output).expanduser().resolve()
     logs, checkpoints = out / "logs", out / "checkpoints"
+    if args.resume and not checkpoints.is_dir():
+        raise SystemExit(f"atropos-quickstart: --resume: no run to resume in {out}")
     logs.mkdir(parents=True, exist_ok=True)
     rollouts = out / "rollouts.jsonl"
+    metrics_file = out / "metrics.jsonl"
     console = logging.getLogger("atropos-quickstart")
+    if args.recipe:
+        console.info("recipe %s: %s", args.recipe, RECIPES[args.recipe].summary)
+    (out / "quickstart_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
 
     console.info("model: %s", args.model)
     model_dir = resolve_model_source(args.model)  # converts the packaged SmolLM2 once
@@ -184,6 +349,47 @@ def run(args: argparse.Namespace) -> int:
     api_url = f"http://127.0.0.1:{api_port}"
     inference_url = f"http://127.0.0.1:{inference_port}"
     python = sys.executable
+    evaluator = _Evaluator(
+        args, env_file, out, inference_url=inference_url, served_name=served_name,
+        tokenizer=model_dir,
+    )  # fmt: skip
+
+    try:
+        config = TrainingConfig(
+            **{
+                "model_name": model_dir,
+                "served_model_name": served_name,
+                "atropos_url": api_url,
+                "inference": args.inference,
+                "inference_url": inference_url,
+                "vllm_port": inference_port,
+                "vllm_python": args.vllm_python,
+                "vllm_extra_args": args.vllm_arg,
+                "vllm_log": str(logs / "vllm.log"),
+                "training_steps": args.steps,
+                "batch_size": args.micro_batch_size,
+                "gradient_accumulation_steps": args.batch_size // args.micro_batch_size,
+                "seq_len": args.seq_len,
+                "lr": args.lr,
+                "seed": args.seed,
+                "save_path": str(checkpoints),
+                "metrics_file": str(metrics_file),
+                "weight_sync_interval": 1,
+                "keep_checkpoints": 2,
+                "batch_timeout": args.batch_timeout,
+                "use_wandb": args.wandb != "off",
+                "wandb_mode": None if args.wandb == "off" else args.wandb,
+                "wandb_project": "atropos-quickstart",
+                "resume": "latest" if args.resume else None,
+                **({"device": args.device} if args.device else {}),
+                **trainer_overrides,
+            }
+        )
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'trainer'}: {e['msg']}" for e in exc.errors()
+        )
+        raise SystemExit(f"atropos-quickstart: trainer settings: {problems}") from None
 
     children: list[ChildProcess] = []
     stop_watch = threading.Event()
@@ -209,13 +415,14 @@ def run(args: argparse.Namespace) -> int:
                     "-m",
                     "atroposlib.inference.cli",
                     "--model",
-                    model_dir,
+                    model_dir if not args.resume else _resume_weights(checkpoints, model_dir),
                     "--port",
                     inference_port,
                     "--served-model-name",
                     served_name,
                     "--log-level",
                     "warning",
+                    *args.serve_arg,
                 ],
                 logs / "atropos-serve.log",
                 env={"HF_HUB_OFFLINE": "1"},
@@ -250,49 +457,43 @@ def run(args: argparse.Namespace) -> int:
             f"{inference_url}/v1",
             "--openai.model_name",
             served_name,
+            "--env.seed",
+            args.seed,
         ]
         if args.inference == "vllm":
             # vLLM's OpenAI server has no /generate (token ids + logprobs): use plain chat
             # completions; the env re-tokenizes and sends no inference_logprobs.
             env_command += ["--openai.server_type", "openai"]
-        for extra in args.env_arg:
-            flag, _, value = extra.partition("=")
-            env_command += [f"--{flag.lstrip('-')}", value]
-        env = ChildProcess("env", env_command, logs / "env.log", cwd=REPO_ROOT).start()
-        children.append(env)
-        console.info("environment %s started (log: %s)", env_file.name, env.log_path)
+        env_command += env_argv
 
-        config = TrainingConfig(
-            model_name=model_dir,
-            served_model_name=served_name,
-            atropos_url=api_url,
-            inference=args.inference,
-            inference_url=inference_url,
-            vllm_port=inference_port,
-            vllm_python=args.vllm_python,
-            vllm_extra_args=args.vllm_arg,
-            vllm_log=str(logs / "vllm.log"),
-            training_steps=args.steps,
-            batch_size=args.micro_batch_size,
-            gradient_accumulation_steps=args.batch_size // args.micro_batch_size,
-            seq_len=args.seq_len,
-            lr=args.lr,
-            save_path=str(checkpoints),
-            weight_sync_interval=1,
-            keep_checkpoints=2,
-            batch_timeout=args.batch_timeout,
-            use_wandb=args.wandb != "off",
-            wandb_mode=None if args.wandb == "off" else args.wandb,
-            wandb_project="atropos-quickstart",
-            **({"device": args.device} if args.device else {}),
-        )
+        def on_ready() -> None:
+            """The server serves the starting weights: evaluate them, then start the env."""
+            nonlocal env
+            if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
+                before = evaluator.run(0, "before")
+                _append(metrics_file, {"step": 0, "time": time.time(), **before})
+            env = ChildProcess("env", env_command, logs / "env.log", cwd=REPO_ROOT).start()
+            children.append(env)
+            console.info("environment %s started (log: %s)", env_file.name, env.log_path)
+
+        def on_step(step: int, synced: Path | None) -> dict[str, float] | None:
+            if not args.eval or synced is None:
+                return None
+            if step == args.steps:
+                return evaluator.run(step, "after")
+            if args.eval_every and step % args.eval_every == 0:
+                return evaluator.run(step, f"step_{step}")
+            return None
+
         threading.Thread(target=_watch, args=(children, stop_watch, failed), daemon=True).start()
-        final = train(config)
+        final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
+        final = _publish_final(final, out)
     except KeyboardInterrupt:
         if failed:
             print(f"\natropos-quickstart: stopped: {failed[0]}", file=sys.stderr)
             return 1
         print("\natropos-quickstart: interrupted; stopping every process", file=sys.stderr)
+        print(f"  continue with: atropos-quickstart ... --output {out} --resume", file=sys.stderr)
         return 130
     except InferenceLaunchError as exc:
         print(f"atropos-quickstart: {exc}", file=sys.stderr)
@@ -304,18 +505,55 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    except Exception as exc:
+        from example_trainer.report import EvaluationError
+
+        if not isinstance(exc, EvaluationError):
+            raise
+        print(f"atropos-quickstart: held-out evaluation failed: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop_watch.set()
         for child in reversed(children):
             child.stop()
-        _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started)
+        _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
     return 0
 
 
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def _resume_weights(checkpoints: Path, model_dir: str) -> str:
+    """The weights a resumed run's server starts on: the newest resumable checkpoint."""
+    from example_trainer.checkpoint import latest_resumable
+
+    folder = latest_resumable(checkpoints)
+    return str(folder) if folder is not None else model_dir
+
+
+def _publish_final(final: Path, out: Path) -> Path:
+    """Move the trainer's final model to ``OUTPUT/final_model``."""
+    target = out / "final_model"
+    if final.resolve() == target.resolve():
+        return final
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.move(str(final), target)
+    return target
+
+
 def _summary(
-    out: Path, rollouts: Path, checkpoints: Path, final: Path | None, logs: Path, seconds: float
+    out: Path,
+    rollouts: Path,
+    checkpoints: Path,
+    final: Path | None,
+    logs: Path,
+    seconds: float,
+    args: argparse.Namespace,
 ) -> None:
-    """Render the rollouts as HTML and print where everything is."""
+    """Render the rollouts as HTML, the curves and the table, and print where everything is."""
     lines = [f"\natropos-quickstart finished in {seconds:.0f} s. Everything is in {out}:"]
     for jsonl in sorted(out.glob("rollouts*.jsonl")):
         try:
@@ -331,19 +569,45 @@ def _summary(
     lines.append(f"  checkpoints   {checkpoints}  ({', '.join(steps) or 'none'})")
     if final is not None:
         lines.append(f"  final model   {final}")
-    if (checkpoints / "metrics.jsonl").is_file():
-        lines.append(f"  metrics       {checkpoints / 'metrics.jsonl'}")
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():
+        lines.append(f"  metrics       {metrics}")
+        try:
+            from example_trainer.report import plot_training_curves
+
+            title = f"{args.recipe or args.env} · seed {args.seed}"
+            png = plot_training_curves(metrics, out / "training_curves.png", title=title)
+            if png is not None:
+                lines.append(f"  curves        {png}")
+        except Exception as exc:  # noqa: BLE001 - the summary must always print
+            lines.append(f"  curves        (failed: {exc})")
     lines.append(f"  logs          {logs}")
+    before, after = out / "eval_before.json", out / "eval_after.json"
+    if before.is_file() and after.is_file():
+        from example_trainer.report import before_after_table, read_eval_metrics
+
+        lines.append(f"  evaluations   {before}, {after}")
+        table = before_after_table(
+            read_eval_metrics(before), read_eval_metrics(after), "held-out (greedy)"
+        )
+        lines.append("\n" + table)
     print("\n".join(lines), file=sys.stderr)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``atropos-quickstart``."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    # SIGTERM behaves like Ctrl-C, so the finally block stops every child.
-    signal.signal(signal.SIGTERM, lambda *_: _thread.interrupt_main())
+    # Ctrl-C and SIGTERM both end in the finally block that stops every child. Installed
+    # explicitly: a shell starts background jobs with SIGINT ignored, and Python then keeps
+    # it ignored (so neither Ctrl-C nor interrupt_main would stop the run).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     raise SystemExit(run(args))
 
 

@@ -771,7 +771,8 @@ class BaseEnv(ABC):
             if self.config.use_wandb and self._wandb_run is not None:
                 await self.add_rollouts_for_wandb(group, item)
             if self.jsonl_writer is not None:
-                self.jsonl_writer.write(group)
+                # the trainer step the group was made at, for the rollout page's headers
+                self.jsonl_writer.write({**group, "step": self.curr_step})
             valid.append(group)
         if valid and do_send_to_api:
             self.items_sent_this_step += len(valid)

@@ -235,12 +235,26 @@ def create_html_for_group(group_data: Mapping[str, Any], index: int) -> str:
     inner = "\n".join(items)
     return (
         "<details>\n"
-        f"    <summary>Group {index}</summary>\n"
+        f"    <summary>{_summary(group_data, index, scores)}</summary>\n"
         '    <div class="group-content">\n'
         f"{inner}\n"
         "    </div>\n"
         "</details>\n"
     )
+
+
+def _summary(group_data: Mapping[str, Any], index: int, scores: list[Any]) -> str:
+    """The collapsed header: group number, trainer step (when recorded), mean score, size."""
+    parts = [f"Group {index}"]
+    step = group_data.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        parts.append(f"step {step}")
+    numeric = [float(s) for s in scores if isinstance(s, (int, float)) and not isinstance(s, bool)]
+    if numeric:
+        mean = sum(numeric) / len(numeric)
+        parts.append(f'<span class="{get_score_class(mean)}-text">mean score {mean:+.3f}</span>')
+    parts.append(f"{len(scores)} rollout{'s' if len(scores) != 1 else ''}")
+    return " &middot; ".join(parts)
 
 
 def _fill_template(template: str, values: Mapping[str, str]) -> str:

@@ -38,6 +38,21 @@ def test_score_classes() -> None:
     assert get_score_class(float("nan")) == ""
 
 
+def test_group_header_shows_step_and_mean_score() -> None:
+    """Collapsed headers carry each group's step and mean score, so scrolling a run's page
+    shows the rewards change."""
+    early = create_html_for_group({"messages": ["a", "b"], "scores": [0.0, -0.5], "step": 0}, 0)
+    late = create_html_for_group({"messages": ["a", "b"], "scores": [1.0, 0.5], "step": 12}, 9)
+    assert (
+        '<summary>Group 0 &middot; step 0 &middot; <span class="reward-negative-text">'
+        "mean score -0.250</span> &middot; 2 rollouts</summary>"
+    ) in early
+    assert "Group 9 &middot; step 12 &middot;" in late
+    assert '<span class="reward-positive-text">mean score +0.750</span>' in late
+    odd = create_html_for_group({"messages": ["a"], "scores": ["n/a"], "step": True}, 1)
+    assert "<summary>Group 1 &middot; 1 rollout</summary>" in odd
+
+
 def test_group_with_conversations() -> None:
     group = {
         "messages": [
@@ -51,7 +66,10 @@ def test_group_with_conversations() -> None:
         "scores": [1.0, -1],
     }
     out = create_html_for_group(group, 3)
-    assert out.startswith("<details>\n    <summary>Group 3</summary>")
+    assert out.startswith(
+        "<details>\n    <summary>Group 3 &middot; "
+        '<span class="reward-zero-text">mean score +0.000</span> &middot; 2 rollouts</summary>'
+    )
     assert '<div class="item reward-positive" id="group-3-item-0">' in out
     assert '<div class="item reward-negative" id="group-3-item-1">' in out
     assert "<strong>System</strong>: be nice" in out
@@ -152,8 +170,8 @@ def test_generate_html_skips_bad_lines(tmp_path: Path, caplog: pytest.LogCapture
     assert "Skipping line 5" in caplog.text
     assert "Skipping line 3" not in caplog.text  # blank lines are silently ignored
     # Rendered groups are numbered consecutively.
-    assert "<summary>Group 0</summary>" in page and "<summary>Group 1</summary>" in page
-    assert "<summary>Group 2</summary>" not in page
+    assert "<summary>Group 0 &middot;" in page and "<summary>Group 1 &middot;" in page
+    assert "<summary>Group 2 &middot;" not in page
     assert page.index("first") < page.index("second")
     assert "<title>Rendered Messages - run.jsonl</title>" in page
 

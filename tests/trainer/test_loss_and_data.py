@@ -178,13 +178,14 @@ def test_temperature_precedence() -> None:
     assert sample_temperature(_group(), 2) == 1.0
 
 
-def test_prepare_batch_shifts_pads_and_keeps_the_remainder() -> None:
+def test_upstream_padding_shifts_pads_and_keeps_the_remainder() -> None:
     with_lp = _group(inference_logprobs=[[1.0, 1.0, 1.0] + [-0.5] * (i + 1) for i in range(4)])
-    batch = prepare_batch([_group(), with_lp], micro_batch_size=3)
+    batch = prepare_batch([_group(), with_lp], micro_batch_size=3, upstream_padding=True)
     assert [mb.input_ids.shape[0] for mb in batch.micro_batches] == [3, 3, 2]
     mb = batch.micro_batches[0]
     assert mb.input_ids.shape == (3, 64)  # longest 7 -> 65, minus the shift
-    assert mb.input_ids[1, :5].tolist() == [1, 2, 3, 11, 11]
+    assert mb.prefix_ids is None
+    assert mb.input_ids[1, :5].tolist() == [1, 2, 3, 11, 0]  # the last token predicts nothing
     assert mb.labels[1, :5].tolist() == [-100, -100, 11, 11, -100]
     assert batch.num_tokens == 2 * (1 + 2 + 3 + 4)
     assert batch.num_sequences == 8 and batch.reward_mean == pytest.approx(1.5)
@@ -194,6 +195,116 @@ def test_prepare_batch_shifts_pads_and_keeps_the_remainder() -> None:
     assert last.old_logprobs[0, 2].item() == -0.5 and torch.isnan(last.old_logprobs[0, 0])
     with pytest.raises(ValueError, match="empty batch"):
         prepare_batch([], 2)
+
+
+def test_default_layout_shares_prompts_and_pads_each_micro_batch_to_its_own_length() -> None:
+    prompt = list(range(100, 120))  # 20 untrained prompt tokens shared by the group
+    tokens = [prompt + [7] * (i + 1) for i in range(4)]
+    group = _group(
+        tokens=tokens,
+        masks=[[-100] * 20 + t[20:] for t in tokens],
+        inference_logprobs=[[1.0] * 20 + [-0.25] * (i + 1) for i in range(4)],
+    )
+    lone = _group(n=1, scores=[0.5])  # a group of one cannot share its prompt
+    batch = prepare_batch([group, lone], micro_batch_size=2, pad_multiple=1)
+    shared = [mb for mb in batch.micro_batches if mb.prefix_ids is not None]
+    assert [tuple(mb.input_ids.shape) for mb in shared] == [(2, 2), (2, 4)]
+    # the prompt minus its last token is shared; each row starts with that last token
+    assert shared[0].prefix_ids.tolist() == prompt[:-1]
+    assert shared[0].input_ids[:, 0].tolist() == [119, 119]
+    assert shared[0].labels.tolist() == [[7, -100], [7, 7]]
+    assert shared[1].labels[1].tolist() == [7, 7, 7, 7]
+    assert shared[1].old_logprobs[1, :4].tolist() == [-0.25] * 4
+    loose = [mb for mb in batch.micro_batches if mb.prefix_ids is None]
+    assert [tuple(mb.input_ids.shape) for mb in loose] == [(1, 3)]
+    assert batch.num_sequences == 5 and batch.total_tokens == 20 * 4 + 10 + 4
+    assert batch.computed_tokens == 2 * 19 + 2 * 2 + 2 * 4 + 3
+    assert batch.flat_groups == 0
+
+
+def test_zero_advantage_rows_are_skipped_but_still_counted() -> None:
+    flat = _group(scores=[1.0] * 4)
+    batch = prepare_batch([_group(), flat], micro_batch_size=8, skip_zero_advantage=True)
+    assert batch.skipped_sequences == 4 and batch.flat_groups == 1
+    assert sum(mb.input_ids.shape[0] for mb in batch.micro_batches) == 4
+    assert batch.num_sequences == 8 and batch.num_tokens == 2 * (1 + 2 + 3 + 4)
+    nothing = prepare_batch([flat], micro_batch_size=8, skip_zero_advantage=True)
+    assert nothing.micro_batches == [] and nothing.flat_groups == 1
+
+
+def _sample_batch(vocab: int) -> list[dict]:
+    """Groups like an env's: shared chat prompts, replies of several lengths, one flat group,
+    per-sample temperatures and sampler log-probabilities."""
+    g = torch.Generator().manual_seed(5)
+    groups = []
+    for prompt_len, n, flat in [(23, 4, False), (31, 3, False), (17, 4, True), (12, 1, False)]:
+        prompt = torch.randint(5, vocab, (prompt_len,), generator=g).tolist()
+        tokens, masks, old = [], [], []
+        for i in range(n):
+            reply = torch.randint(5, vocab, (2 + 3 * i,), generator=g).tolist()
+            tokens.append(prompt + reply)
+            masks.append([-100] * prompt_len + reply)
+            # near the tiny model's own log-probabilities (~ -log(vocab)), so ratios are ~1
+            near = -math.log(vocab) + 0.3 * torch.randn(len(reply), generator=g)
+            old.append([1.0] * prompt_len + near.tolist())
+        scores = [1.0] * n if flat else torch.rand(n, generator=g).tolist()
+        groups.append(
+            _group(
+                n=n,
+                tokens=tokens,
+                masks=masks,
+                scores=scores,
+                inference_logprobs=old,
+                overrides=[{"temperature": 0.5 + 0.25 * i} for i in range(n)],
+            )
+        )
+    return groups
+
+
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
+def test_fast_layout_gives_the_same_loss_and_gradient_as_upstream_padding(
+    tiny_model_dir: Path, normalization: str
+) -> None:
+    """Prompt sharing, length buckets, trained-position logits and zero-advantage skipping
+    change the work done, never the gradient: both layouts train the same step."""
+    from transformers import AutoModelForCausalLM
+
+    from example_trainer.forward import check_fast_path, policy_logprobs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert check_fast_path(model, "cpu")
+    groups = _sample_batch(model.config.vocab_size)
+
+    def loss_and_grads(batch, fast: bool):
+        model.zero_grad()
+        total = 0.0
+        for mb in batch.micro_batches:
+            logp = policy_logprobs(model, mb, "cpu", fast=fast)
+            loss, _ = grpo_loss(
+                logp,
+                mb.advantages,
+                mb.mask,
+                mb.old_logprobs,
+                normalization=normalization,
+                num_sequences=batch.num_sequences,
+                num_tokens=batch.num_tokens,
+            )
+            loss.backward()
+            total += loss.item()
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = prepare_batch(groups, 3, upstream_padding=True)
+    fast = prepare_batch(groups, 3, skip_zero_advantage=True)
+    assert fast.skipped_sequences == 4
+    assert any(mb.prefix_ids is not None for mb in fast.micro_batches)
+    assert fast.computed_tokens < reference.computed_tokens / 2
+    ref_loss, ref_grads = loss_and_grads(reference, fast=False)
+    new_loss, new_grads = loss_and_grads(fast, fast=True)
+    assert new_loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    for name, grad in ref_grads.items():
+        assert torch.allclose(new_grads[name], grad, atol=1e-5, rtol=1e-3), name
+    assert max(g.abs().max().item() for g in ref_grads.values()) > 1e-4  # a real gradient
 
 
 # ----------------------------------------------------------------------------- config

@@ -1,0 +1,203 @@
+"""One GRPO optimizer step, timed in-process for several trainer layouts on identical batches.
+
+Batches are built the way an environment builds them: real chat prompts through the model's
+chat template, ``--group-size`` replies per prompt with lengths drawn from ``--reply-tokens``
+(min,max), scores drawn so that ``--flat-fraction`` of the groups score alike. Every layout
+trains the same batches; rounds alternate the layouts and the medians are printed, so the
+ratios hold even while the machine's speed drifts.
+
+Layouts (each adds one change to the one before):
+
+    before     upstream padding (L-1 a multiple of 64), full logits, gradient checkpointing,
+               AdamW looping over tensors (the trainer before 2026-11-24)
+    no-ckpt    no gradient checkpointing, fused AdamW
+    buckets    + each micro-batch padded to its own longest row (multiple of 8)
+    trained    + logits only at trained positions
+    shared     + each group's prompt run once per micro-batch
+    skip       + zero-advantage sequences not run (the default trainer)
+
+    python bench/trainer_step_bench.py                     # the arithmetic recipe's shapes
+    python bench/trainer_step_bench.py --task gsm8k        # GSM8K-like shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LAYOUTS = ["before", "no-ckpt", "buckets", "trained", "shared", "skip"]
+
+TASKS = {
+    # (system prompt, question maker, reply token range)
+    "arithmetic": (
+        "You are a calculator. Reply with only the final integer answer.",
+        lambda rng: f"What is {rng.randint(0, 20)} {rng.choice('+-')} {rng.randint(0, 20)}?",
+        (2, 16),
+    ),
+    "gsm8k": (
+        "Solve the problem step by step. End with the final answer as \\boxed{N}.",
+        lambda rng: (
+            " ".join(
+                rng.choice(["Tom", "has", "apples", "and", "buys", "3", "more", "each", "day"])
+                for _ in range(rng.randint(40, 80))
+            )
+            + "?"
+        ),
+        (60, 256),
+    ),
+}
+
+
+def build_batch(tokenizer, task: str, groups: int, group_size: int, flat: float, seed: int):
+    """``groups`` groups of ``group_size`` tokenized chats, as ``GET /batch`` returns them."""
+    system, question, (lo, hi) = TASKS[task]
+    rng = random.Random(seed)
+    vocab_words = ["1", "2", "3", "4", "5", "plus", "minus", "is", "the", "answer", "="]
+    batch = []
+    for _ in range(groups):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question(rng)},
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False).input_ids
+        tokens, masks, old = [], [], []
+        for _ in range(group_size):
+            reply = []
+            while len(reply) < rng.randint(lo, hi):
+                reply += tokenizer.encode(" " + rng.choice(vocab_words), add_special_tokens=False)
+            reply = reply[:hi] + [tokenizer.eos_token_id]
+            tokens.append(prompt + reply)
+            masks.append([-100] * len(prompt) + reply)
+            old.append([1.0] * len(prompt) + [-rng.random() for _ in reply])
+        same = rng.random() < flat
+        scores = [1.0] * group_size if same else [float(rng.randint(0, 1)) for _ in tokens]
+        if not same and len(set(scores)) == 1:
+            scores[0] = 1.0 - scores[0]
+        batch.append(
+            {
+                "tokens": tokens,
+                "masks": masks,
+                "scores": scores,
+                "inference_logprobs": old,
+                "overrides": None,
+                "generation_params": {"temperature": 1.0},
+                "group_overrides": None,
+            }
+        )
+    return batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--task", choices=sorted(TASKS), default="arithmetic")
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=64, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--flat-fraction", type=float, default=0.25)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layouts", nargs="*", default=LAYOUTS, choices=LAYOUTS)
+    parser.add_argument("--json", default=None, help="write the summary here too")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from atroposlib.inference.models import resolve_model_source
+    from example_trainer.config import TrainingConfig
+    from example_trainer.data import prepare_batch
+    from example_trainer.forward import check_fast_path
+    from example_trainer.grpo import train_step
+
+    path = resolve_model_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    fast_ok = check_fast_path(model, "cpu")
+    # keep the weights ~fixed; the loop-over-tensors AdamW for "before", fused for the others
+    optimizers = {
+        False: torch.optim.AdamW(model.parameters(), lr=1e-12, foreach=False),
+        True: torch.optim.AdamW(model.parameters(), lr=1e-12, fused=True),
+    }
+    schedulers = {
+        k: torch.optim.lr_scheduler.LambdaLR(o, lambda _: 1.0) for k, o in optimizers.items()
+    }
+    groups = args.batch // args.group_size
+    batches = [
+        build_batch(tokenizer, args.task, groups, args.group_size, args.flat_fraction, seed)
+        for seed in range(args.rounds + 1)
+    ]
+
+    def run(layout: str, raw) -> tuple[float, int, int]:
+        level = LAYOUTS.index(layout)
+        ckpt = level == 0
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_disable()
+        config = TrainingConfig(model_name=path, device="cpu", batch_size=args.micro_batch)
+        batch = prepare_batch(
+            raw,
+            args.micro_batch,
+            upstream_padding=level < 2,
+            share_prefix=level >= 4,
+            skip_zero_advantage=level >= 5,
+        )
+        started = time.perf_counter()
+        fused = level >= 1
+        train_step(
+            model, optimizers[fused], schedulers[fused], batch, config, fast=level >= 3 and fast_ok
+        )
+        return time.perf_counter() - started, batch.total_tokens, batch.computed_tokens
+
+    for layout in args.layouts:  # warm-up: allocator, oneDNN primitives
+        run(layout, batches[0])
+    seconds: dict[str, list[float]] = {k: [] for k in args.layouts}
+    tokens: dict[str, tuple[int, int]] = {}
+    for r in range(args.rounds):
+        order = args.layouts if r % 2 == 0 else list(reversed(args.layouts))
+        for layout in order:
+            took, total, computed = run(layout, batches[r + 1])
+            seconds[layout].append(took)
+            tokens.setdefault(layout, (0, 0))
+            tokens[layout] = (tokens[layout][0] + total, tokens[layout][1] + computed)
+
+    base = statistics.median(seconds[args.layouts[0]])
+    print(
+        f"task {args.task}: {args.batch} sequences/step, groups of {args.group_size}, "
+        f"micro-batch {args.micro_batch}, {args.rounds} rounds, load {os.getloadavg()[0]:.2f}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(f"{'layout':10s} {'s/step':>8s} {'tokens/s':>9s} {'computed/real':>14s} {'speed-up':>9s}")
+    summary = {}
+    for layout in args.layouts:
+        med = statistics.median(seconds[layout])
+        total, computed = tokens[layout]
+        per_step = total / args.rounds
+        summary[layout] = {
+            "seconds_per_step": round(med, 3),
+            "tokens_per_s": round(per_step / med, 1),
+            "computed_over_real_tokens": round(computed / total, 3),
+            "speedup": round(base / med, 2),
+        }
+        print(
+            f"{layout:10s} {med:8.2f} {per_step / med:9.0f} {computed / total:14.2f} "
+            f"{base / med:8.2f}x"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Log-probabilities of a micro-batch's trained tokens, computing only what the loss needs.
+
+A plain ``model(input_ids).logits`` computes a vocabulary-sized row of logits for every position
+(49,152 floats per token for SmolLM2), although the loss only reads the positions that are
+trained, often a small part of each sequence. :func:`policy_logprobs` instead runs the model's
+decoder, applies the output head to the trained positions only, and, when the micro-batch has a
+shared prompt (``MicroBatch.prefix_ids``), runs that prompt once and lets every row attend to its
+keys and values. Gradients flow through the shared prompt as through a full forward pass.
+
+Not every model can be split this way (some scale or cap their logits after the head), so
+:func:`check_fast_path` compares both paths on the model itself once, and the trainer falls back
+to the full forward pass where they disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from example_trainer.data import MicroBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    try:
+        decoder, head = get_decoder(), get_head()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def _scaled_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperatures: torch.Tensor,
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor:
+    temps = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    scaled = logits.float() / temps.to(logits.device).unsqueeze(-1)
+    if stats is not None:
+        with torch.no_grad():
+            logp = torch.log_softmax(scaled, dim=-1)
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+            stats["entropy_sum"] = stats.get("entropy_sum", 0.0) + float(entropy.sum())
+            stats["entropy_tokens"] = stats.get("entropy_tokens", 0.0) + entropy.numel()
+    return -F.cross_entropy(scaled, targets, reduction="none")
+
+
+def full_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    temps: torch.Tensor,
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """``[B, T]`` log-probabilities of ``labels`` from a plain forward pass (0 where -100)."""
+    logits = model(input_ids=input_ids).logits  # [B, T, V]
+    selected = labels != -100
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    rows = selected.nonzero(as_tuple=True)[0]
+    out[selected] = _scaled_logprobs(logits[selected], labels[selected], temps[rows], stats)
+    return out
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: str | torch.device,
+    *,
+    fast: bool = True,
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """``[B, T]`` float32 log-probabilities of ``mb.labels`` under ``model`` (0 where -100).
+
+    Logits are divided by each row's sampling temperature (values <= 0 count as 1). With
+    ``fast`` (see :func:`check_fast_path`), the head runs on trained positions only and a
+    shared prompt runs once; otherwise the prompt is prepended to every row and the whole
+    sequence goes through ``model``. ``stats``, when given, accumulates ``entropy_sum`` and
+    ``entropy_tokens``: the entropy of the (temperature-scaled) policy at trained positions.
+    """
+    input_ids = mb.input_ids.to(device)
+    labels = mb.labels.to(device)
+    temps = mb.temperatures.to(device)
+    parts = _parts(model) if fast else None
+    if parts is None:
+        if mb.prefix_ids is not None:
+            prefix = mb.prefix_ids.to(device).unsqueeze(0).expand(input_ids.shape[0], -1)
+            full = full_logprobs(
+                model,
+                torch.cat([prefix, input_ids], dim=1),
+                torch.cat([torch.full_like(prefix, -100), labels], dim=1),
+                temps,
+                stats,
+            )
+            return full[:, prefix.shape[1] :]
+        return full_logprobs(model, input_ids, labels, temps, stats)
+
+    decoder, head = parts
+    kwargs: dict[str, Any] = {}
+    if mb.prefix_ids is not None:
+        prompt = decoder(input_ids=mb.prefix_ids.to(device).unsqueeze(0), use_cache=True)
+        cache = prompt.past_key_values
+        cache.batch_repeat_interleave(input_ids.shape[0])
+        kwargs = {"past_key_values": cache, "use_cache": True}
+    hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state  # [B, T, H]
+    selected = labels != -100
+    rows = selected.nonzero(as_tuple=True)[0]
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+    if rows.numel():
+        logits = head(hidden[selected])
+        out[selected] = _scaled_logprobs(logits, labels[selected], temps[rows], stats)
+    else:
+        out = out + 0.0 * hidden.sum()  # keeps the graph connected for backward()
+    return out
+
+
+@torch.no_grad()
+def check_fast_path(model: torch.nn.Module, device: str | torch.device) -> bool:
+    """Whether :func:`policy_logprobs`'s fast path gives the full forward pass's numbers.
+
+    Runs both on a short made-up micro-batch (with a shared prompt, two rows of different
+    lengths) in eval mode and compares them.
+    """
+    if _parts(model) is None:
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        vocab = int(getattr(model.config, "vocab_size", 100) or 100)
+        g = torch.Generator().manual_seed(0)
+        prefix = torch.randint(3, vocab, (6,), generator=g)
+        inputs = torch.randint(3, vocab, (2, 5), generator=g)
+        labels = torch.randint(3, vocab, (2, 5), generator=g)
+        labels[0, :2] = -100
+        labels[1, 3:] = -100  # the second row is shorter: padding at the end
+        inputs[1, 3:] = 0
+        mb = MicroBatch(
+            input_ids=inputs,
+            labels=labels,
+            advantages=torch.zeros(2, 5),
+            old_logprobs=torch.full((2, 5), float("nan")),
+            temperatures=torch.tensor([1.0, 0.7]),
+            prefix_ids=prefix,
+        )
+        fast = policy_logprobs(model, mb, device, fast=True)
+        slow = policy_logprobs(model, mb, device, fast=False)
+        low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        tolerance = 5e-2 if low_precision else 2e-3
+        ok = bool(torch.allclose(fast, slow, atol=tolerance, rtol=tolerance))
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the plain path
+        logger.info("fast log-prob path unavailable for this model (%s)", exc)
+        return False
+    finally:
+        model.train(was_training)
+    if not ok:
+        logger.info("fast log-prob path disagrees with the model's forward; using the plain one")
+    return ok

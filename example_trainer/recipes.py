@@ -1,0 +1,53 @@
+"""Named quick-start recipes: settings that were measured to make a model better.
+
+A recipe fills in ``atropos-quickstart`` flags (``flags``), environment flags (``env_args``,
+``--env-arg`` pairs) and trainer settings (``trainer_args``, ``--trainer-arg`` pairs). Flags given
+on the command line win over the recipe's. How each recipe was chosen, and what else was tried,
+is in ``example_trainer/README.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One named set of quick-start settings."""
+
+    summary: str
+    flags: dict[str, Any]
+    env_args: list[str] = field(default_factory=list)
+    trainer_args: list[str] = field(default_factory=list)
+
+
+RECIPES: dict[str, Recipe] = {
+    "arithmetic-learn": Recipe(
+        summary="SmolLM2-135M-Instruct learns to answer 'What is a +/- b?' (operands 0-20) with "
+        "the bare integer; held-out accuracy before/after, ~25 min on 2 CPU cores",
+        flags={
+            "env": "arithmetic",
+            "steps": 80,
+            "group_size": 16,
+            "batch_size": 64,
+            "micro_batch_size": 16,
+            "lr": 2e-5,
+            "seq_len": 128,
+            "eval": True,
+            "eval_every": 20,
+            "output": "runs/arithmetic-learn",
+        },
+        env_args=[
+            "env.max_operand=20",
+            "env.operators=+-",
+            "env.num_eval_problems=200",
+            "env.max_answer_tokens=12",
+            "env.temperature=1.0",
+            "env.partial_credit=0.25",
+            "env.length_penalty=0.02",
+            "env.max_batches_offpolicy=1",
+        ],
+        trainer_args=["checkpoint_interval=10"],
+    ),
+}

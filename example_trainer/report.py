@@ -1,0 +1,251 @@
+"""What a training run leaves for people to read: held-out evaluations, a before/after table and
+the training curves.
+
+- :func:`run_env_evaluate` runs an environment's own ``evaluate`` command (its held-out split,
+  greedy) against the inference server that serves the current weights, and returns the
+  metrics it wrote.
+- :func:`before_after_table` formats two evaluations side by side.
+- :func:`plot_training_curves` draws ``training_curves.png`` from ``metrics.jsonl``: reward,
+  held-out accuracy, loss, entropy/KL and trainer throughput by step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+EVAL_PREFIX = "eval/"
+
+
+class EvaluationError(RuntimeError):
+    """An environment's ``evaluate`` command failed."""
+
+
+def run_env_evaluate(
+    env_file: Path,
+    out_dir: Path,
+    *,
+    inference_url: str,
+    model_name: str,
+    tokenizer: str,
+    env_args: Sequence[str] = (),
+    server_type: str | None = None,
+    timeout: float = 1800.0,
+    cwd: Path | None = None,
+) -> dict[str, float]:
+    """Run ``python ENV_FILE evaluate`` into ``out_dir``; returns its numeric metrics.
+
+    ``env_args`` are ``--env.*`` / ``--openai.*`` flags as a flat argv list (e.g. the
+    settings that pick the task, so the held-out split is the one training left out).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        str(env_file),
+        "evaluate",
+        "--env.data_dir_to_save_evals",
+        str(out_dir),
+        "--env.use_wandb",
+        "false",
+        "--env.tokenizer_name",
+        tokenizer,
+        "--openai.base_url",
+        f"{inference_url}/v1",
+        "--openai.model_name",
+        model_name,
+        *(["--openai.server_type", server_type] if server_type else []),
+        *env_args,
+    ]
+    log = out_dir / "evaluate.log"
+    started = time.monotonic()
+    with open(log, "wb") as handle:
+        proc = subprocess.run(
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            cwd=cwd,
+            env=_child_env(),
+        )
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise EvaluationError(f"{env_file.name} evaluate exited with {proc.returncode}:\n{tail}")
+    metrics_file = out_dir / "metrics.json"
+    if not metrics_file.is_file():
+        raise EvaluationError(f"{env_file.name} evaluate wrote no {metrics_file}")
+    metrics = read_eval_metrics(metrics_file)
+    metrics["eval_seconds"] = time.monotonic() - started
+    return metrics
+
+
+def _child_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def read_eval_metrics(path: Path) -> dict[str, float]:
+    """The numeric results of an evaluate ``metrics.json`` (its ``results.all`` entry)."""
+    data = json.loads(path.read_text())
+    results = data.get("results", {})
+    chosen = results.get("all") or next(iter(results.values()), {})
+    return {k: float(v) for k, v in chosen.items() if isinstance(v, (int, float))}
+
+
+def _fmt(key: str, value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if _is_rate(key, value):
+        return f"{100 * value:.1f}%"
+    return f"{value:.3g}"
+
+
+def _is_rate(key: str, value: float) -> bool:
+    return 0.0 <= value <= 1.0 and not key.endswith(("seconds", "chars", "tokens"))
+
+
+def before_after_table(
+    before: Mapping[str, float], after: Mapping[str, float], title: str = ""
+) -> str:
+    """A plain-text table of every ``eval/`` metric before and after, with the change
+    (percentage points for rates)."""
+    keys = [k for k in before if k.startswith(EVAL_PREFIX)]
+    keys += [k for k in after if k.startswith(EVAL_PREFIX) and k not in keys]
+    width = max([len(k) for k in keys] + [len(title), 10])
+    lines = [f"{title:<{width}}  {'before':>9}  {'after':>9}  {'change':>11}"]
+    for key in keys:
+        b, a = before.get(key), after.get(key)
+        if b is None or a is None:
+            change = "-"
+        elif _is_rate(key, b) and _is_rate(key, a):
+            change = f"{100 * (a - b):+.1f} pts"
+        else:
+            change = f"{a - b:+.3g}"
+        lines.append(f"{key:<{width}}  {_fmt(key, b):>9}  {_fmt(key, a):>9}  {change:>11}")
+    return "\n".join(lines)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` (unreadable lines are skipped)."""
+    records = []
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_training_curves(
+    metrics_path: Path,
+    out_path: Path,
+    *,
+    eval_key: str = "eval/percent_correct",
+    title: str = "",
+) -> Path | None:
+    """Draw ``out_path`` (PNG) from ``metrics_path``; returns it, or None without data.
+
+    Panels: train reward mean (with a moving average), held-out ``eval_key`` at each
+    evaluation (step 0 = before training), loss, policy entropy (and KL when logged), trainer
+    tokens/s.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if eval_key in r]
+    if not train and not evals:
+        return None
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=80)
+    (ax_reward, ax_eval, ax_loss), (ax_entropy, ax_speed, ax_text) = axes
+    steps = [r["step"] for r in train]
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(r["step"], float(r[key])) for r in train if key in r]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    xs, reward = series("reward_mean")
+    ax_reward.plot(xs, reward, color="#9ecae1", lw=1, label="per step")
+    if reward:
+        ax_reward.plot(xs, _moving_average(reward, 10), color="#08519c", lw=2, label="10-step mean")
+        ax_reward.legend(loc="lower right", fontsize=8)
+    ax_reward.set_title("train reward (mean per batch)")
+
+    if evals:
+        ex = [r["step"] for r in evals]
+        ey = [100 * float(r[eval_key]) for r in evals]
+        ax_eval.plot(ex, ey, marker="o", color="#d94801", lw=2)
+        for x, y in zip(ex, ey, strict=True):
+            ax_eval.annotate(f"{y:.0f}%", (x, y), textcoords="offset points", xytext=(0, 6),
+                             ha="center", fontsize=8)  # fmt: skip
+        ax_eval.set_ylim(0, max(100, max(ey) + 10))
+    ax_eval.set_title(f"held-out {eval_key.removeprefix(EVAL_PREFIX)} (%, greedy)")
+
+    xs, loss = series("loss")
+    ax_loss.plot(xs, loss, color="#6a51a3", lw=1)
+    ax_loss.axhline(0, color="#999", lw=0.5)
+    ax_loss.set_title("GRPO loss")
+
+    xs, entropy = series("entropy")
+    if entropy:
+        ax_entropy.plot(xs, entropy, color="#238b45", lw=1.5, label="entropy (nats/token)")
+    xk, kl = series("kl")
+    if kl and any(v != 0 for v in kl):
+        ax_entropy.plot(xk, kl, color="#cb181d", lw=1.5, label="KL to reference")
+    if entropy or kl:
+        ax_entropy.legend(loc="upper right", fontsize=8)
+    ax_entropy.set_title("policy entropy / KL at trained tokens")
+
+    xs, speed = series("tokens_per_s")
+    ax_speed.plot(xs, speed, color="#525252", lw=1)
+    ax_speed.set_title("trainer tokens/s")
+    ax_speed.set_ylim(bottom=0)
+
+    ax_text.axis("off")
+    if train:
+        last = train[-1]
+        lines = [title] if title else []
+        lines += [
+            f"steps: {len(steps)}",
+            f"sequences: {sum(int(r.get('sequences', 0)) for r in train)}",
+            f"train time: {sum(float(r.get('train_seconds', 0)) for r in train) / 60:.1f} min",
+            f"wait for batches: {sum(float(r.get('batch_wait_seconds', 0)) for r in train) / 60:.1f} min",
+            f"weight sync: {sum(float(r.get('sync_seconds', 0)) for r in train) / 60:.1f} min",
+            f"last lr: {last.get('learning_rate', float('nan')):.2g}",
+        ]
+        if len(evals) >= 2:
+            first, final = evals[0][eval_key], evals[-1][eval_key]
+            lines.append(f"held-out: {100 * first:.1f}% -> {100 * final:.1f}%")
+        ax_text.text(0.02, 0.95, "\n".join(lines), va="top", fontsize=10, family="monospace")
+    for ax in (ax_reward, ax_eval, ax_loss, ax_entropy, ax_speed):
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path
