@@ -51,6 +51,10 @@ _OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b
 _EVAL_SEED_OFFSET = 1_000_003
 
 
+FEW_SHOT_EXAMPLES = [("What is 7 + 5?", "12"), ("What is 3 - 9?", "-6"), ("What is 14 - 6?", "8")]
+"""Worked examples shown before the question with ``few_shot`` > 0 (never asked themselves)."""
+
+
 class ArithmeticEnvConfig(BaseEnvConfig):
     """Settings of the arithmetic environment."""
 
@@ -76,6 +80,12 @@ class ArithmeticEnvConfig(BaseEnvConfig):
     )
     format_penalty: float = Field(
         default=0.0, ge=0.0, description="Subtracted when a reply holds no integer at all"
+    )
+    few_shot: int = Field(
+        default=0,
+        ge=0,
+        le=len(FEW_SHOT_EXAMPLES),
+        description="Worked examples (question, bare answer) shown as earlier chat turns",
     )
     length_penalty: float = Field(
         default=0.0,
@@ -111,17 +121,33 @@ def held_out_problems(seed: int, count: int, max_operand: int, operators: str) -
             f"{problem_space(max_operand, operators)} possible problems; raise max_operand"
         )
     rng = random.Random(seed + _EVAL_SEED_OFFSET)
+    examples = {q for q, _ in FEW_SHOT_EXAMPLES}
     seen: dict[str, dict[str, Any]] = {}
     while len(seen) < count:
         problem = make_problem(rng, max_operand, operators)
-        seen.setdefault(problem["question"], problem)
+        if problem["question"] not in examples:
+            seen.setdefault(problem["question"], problem)
     return list(seen.values())
 
 
+_BARE = re.compile(r"\s*-?\d+\s*\.?\s*")
+_RESTATED = re.compile(r"\s*[-+*/=×÷x]\s*-?\d")
+
+
 def first_integer(reply: str | None) -> int | None:
-    """The first integer of a reply (what evaluate() grades), or None."""
+    """The first integer of a reply, or None."""
     match = _INT.search(reply or "")
     return int(match.group()) if match else None
+
+
+def graded_answer(reply: str | None) -> int | None:
+    """The answer a reply gives, as evaluate() grades it: its first integer, unless that integer
+    starts an expression (``17 - 4 = 13`` restates the question; the prompt asks for only the
+    answer), in which case the reply gives none."""
+    match = _INT.search(reply or "")
+    if match is None or _RESTATED.match(reply or "", match.end()):
+        return None
+    return int(match.group())
 
 
 def score_reply(
@@ -138,7 +164,7 @@ def score_reply(
     numbers = [int(n) for n in _INT.findall(reply or "")]
     if not numbers:
         score = -format_penalty
-    elif numbers[0] == answer:
+    elif graded_answer(reply) == answer:
         score = 1.0
     elif answer in numbers:
         score = partial_credit
@@ -188,6 +214,7 @@ class ArithmeticEnv(BaseEnv):
             cfg.eval_seed, cfg.num_eval_problems, cfg.max_operand, cfg.operators
         )
         self._held_out = {p["question"] for p in self.eval_problems}
+        self._held_out |= {q for q, _ in FEW_SHOT_EXAMPLES}  # shown as examples, never asked
         self.iter = 0
         self.percent_correct_buffer: list[float] = []
 
@@ -200,9 +227,13 @@ class ArithmeticEnv(BaseEnv):
                 return problem
 
     def _messages(self, question: str) -> list[dict[str, str]]:
-        messages = [{"role": "user", "content": question}]
+        messages = []
         if self.config.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+            messages.append({"role": "system", "content": self.config.system_prompt})
+        for example, answer in FEW_SHOT_EXAMPLES[: self.config.few_shot]:
+            messages.append({"role": "user", "content": example})
+            messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": question})
         return messages
 
     def _uses_token_server(self) -> bool:
@@ -250,7 +281,7 @@ class ArithmeticEnv(BaseEnv):
                 group["inference_logprobs"].append(list(node.logprobs))
                 group["scores"].append(self._score(text, item["answer"], reply_tokens))
                 group["messages"].append([*messages, {"role": "assistant", "content": text}])
-                correct.append(first_integer(text) == item["answer"])
+                correct.append(graded_answer(text) == item["answer"])
         else:
             reply = await self.server.chat_completion(**kwargs)
             for choice in reply.choices:
@@ -264,7 +295,7 @@ class ArithmeticEnv(BaseEnv):
                 group["masks"].append(out["masks"])
                 group["scores"].append(self._score(text, item["answer"], reply_tokens))
                 group["messages"].append(chat)
-                correct.append(first_integer(text) == item["answer"])
+                correct.append(graded_answer(text) == item["answer"])
         if len(group["tokens"]) != self.config.group_size:
             group["group_overrides"]["group_size"] = len(group["tokens"])
         self.percent_correct_buffer.extend(1.0 if ok else 0.0 for ok in correct)
@@ -279,7 +310,7 @@ class ArithmeticEnv(BaseEnv):
             split="eval",
         )
         text = reply.choices[0].message.content or ""
-        given = first_integer(text)
+        given = graded_answer(text)
         numbers = [int(n) for n in _INT.findall(text)]
         return {
             "question": problem["question"],
@@ -289,7 +320,7 @@ class ArithmeticEnv(BaseEnv):
             "score": int(given == problem["answer"]),
             "correct": given == problem["answer"],
             "answer_anywhere": problem["answer"] in numbers,
-            "bare": text.strip().rstrip(".") == str(problem["answer"]),
+            "bare": _BARE.fullmatch(text) is not None,
             "finish_reason": reply.choices[0].finish_reason,
         }
 
@@ -297,7 +328,7 @@ class ArithmeticEnv(BaseEnv):
         """Ask every held-out problem greedily; grade each reply by its first integer.
 
         Metrics: ``eval/percent_correct`` (the grade), ``eval/answer_anywhere`` (the answer
-        appears somewhere in the reply), ``eval/bare_answer`` (the reply is only the answer),
+        appears somewhere in the reply), ``eval/bare_answer`` (the reply is only an integer),
         ``eval/mean_reply_chars``.
         """
         start = time.time()

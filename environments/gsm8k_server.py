@@ -7,15 +7,16 @@ linearly above 50% of ``max_token_length``. Completions with fewer than
 dropped only when ``ensure_scores_are_not_same`` is on (upstream always dropped them, so
 ``group_size=1`` never produced data; ``process`` turns the check off).
 
-Data: ``load_dataset("gsm8k", "main")`` (train / test) by default; ``--env.dataset_path`` reads a
-local folder with ``train.jsonl`` and ``test.jsonl`` (or one JSONL file used for both), rows
-``{"question", "answer": "... #### N"}``.
+Data: the copy of GSM8K bundled with the repository (``environments/data/gsm8k``, train / test,
+MIT, the same rows as the Hub's ``gsm8k``/``main``) by default, so nothing is downloaded;
+``--env.dataset_path hub`` loads ``load_dataset("gsm8k", "main")`` as upstream did, and any other
+``--env.dataset_path`` reads a local folder with ``train.jsonl`` and ``test.jsonl`` (or one JSONL
+file used for both), rows ``{"question", "answer": "... #### N"}``.
 
     run-api --port 8000 &  atropos-serve --port 9001 &
-    python environments/gsm8k_server.py process --env.dataset_path ../shared/data/gsm8k \\
-        --env.total_steps 4 --env.use_wandb false
-    python environments/gsm8k_server.py evaluate --env.dataset_path ../shared/data/gsm8k \\
-        --env.max_eval_items 50 --env.use_wandb false --env.data_dir_to_save_evals evals/gsm8k
+    python environments/gsm8k_server.py process --env.total_steps 4 --env.use_wandb false
+    python environments/gsm8k_server.py evaluate --env.max_eval_items 50 --env.use_wandb false \\
+        --env.data_dir_to_save_evals evals/gsm8k
 
 ``sample_chat_group`` and ``load_rows`` are shared with the other dataset environments.
 """
@@ -36,6 +37,9 @@ from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, Scored
 from atroposlib.scoring import math as math_scoring
 from atroposlib.scoring.rewards import length_penalty_scores
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
+
+BUNDLED_GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"
+"""GSM8K shipped with the repository (train.jsonl, test.jsonl; MIT, see its README)."""
 
 SYSTEM_PROMPT = (
     "You are a deep thinking AI, you may use extremely long chains of thought "
@@ -176,8 +180,9 @@ class GSM8kEnvConfig(BaseEnvConfig):
 
     dataset_path: str | None = Field(
         default=None,
-        description="Local GSM8K: a folder with train.jsonl/test.jsonl or one JSONL file "
-        "(rows {question, answer}); default: load_dataset('gsm8k', 'main') from the Hub",
+        description="GSM8K to use: a folder with train.jsonl/test.jsonl or one JSONL file "
+        "(rows {question, answer}); 'hub' for load_dataset('gsm8k', 'main'); default: the copy "
+        "bundled in environments/data/gsm8k",
     )
     max_eval_items: int = Field(
         default=-1, description="Evaluate on the first N test rows (-1: all of them)"
@@ -227,11 +232,11 @@ class GSM8kEnv(BaseEnv):
 
     def load_split(self, split: str) -> list[dict[str, Any]]:
         """``[{question, answer}]`` for ``train`` or ``test``."""
-        if self.config.dataset_path:
-            return load_rows(self.config.dataset_path, split)
-        from datasets import load_dataset
+        if self.config.dataset_path == "hub":
+            from datasets import load_dataset
 
-        return [dict(row) for row in load_dataset("gsm8k", "main", split=split)]
+            return [dict(row) for row in load_dataset("gsm8k", "main", split=split)]
+        return load_rows(self.config.dataset_path or BUNDLED_GSM8K, split)
 
     async def setup(self) -> None:
         self.train = self.load_split("train")

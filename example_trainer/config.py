@@ -98,6 +98,13 @@ class TrainingConfig(BaseModel):
         "L with L-1 a multiple of 64, no prompt sharing, no skipping.",
     )
     seed: int = Field(default=0, description="Seed for torch's random number generators.")
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads torch uses for training (default: torch's choice, one per core). "
+        "On a small machine shared with an inference server, splitting the cores (e.g. 1 and "
+        "1 on 2 cores) avoids both spinning for the same cores.",
+    )
 
     # --- GRPO loss --------------------------------------------------------------------------
     clip_eps: float = Field(
@@ -159,6 +166,13 @@ class TrainingConfig(BaseModel):
         validation_alias=AliasChoices("weight_sync_interval", "vllm_restart_interval"),
         description="Steps between weight syncs (vLLM restart or atropos-serve reload); the "
         "last step always syncs. Upstream's name vllm_restart_interval is accepted.",
+    )
+    pause_generation: bool = Field(
+        default=False,
+        description="Pause the inference server while the trainer computes a step and syncs "
+        "(POST /pause?mode=keep ... /resume; atropos-serve and vLLM's RL endpoints): "
+        "generation and training take turns on the same cores, and rollouts run on the newest "
+        "weights. For one small machine; on separate machines leave it off.",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -242,6 +242,61 @@ def _chunks(rows: list[_Row], size: int) -> list[list[_Row]]:
     return out
 
 
+MICRO_BATCH_OVERHEAD = 64
+"""What one more forward/backward pass costs, in token positions: the fixed work of a pass (the
+weight gradients of every layer are written whatever the number of tokens). Used to choose
+between layouts."""
+
+
+def _layout(
+    chunk: list[_Row], share: bool, min_shared: int, pad_multiple: int
+) -> tuple[list[_Row], int, int]:
+    """``(chunk, shared prefix length, padded width of the rest)`` for one micro-batch."""
+    prefix = _shared_prefix(chunk) if share and len(chunk) > 1 else 0
+    if prefix < max(min_shared, 1):
+        prefix = 0
+    width = _round_up(max(len(r.inputs) for r in chunk) - prefix, pad_multiple)
+    return chunk, prefix, width
+
+
+def _cost(plan: list[tuple[list[_Row], int, int]]) -> int:
+    return sum(prefix + len(chunk) * width + MICRO_BATCH_OVERHEAD for chunk, prefix, width in plan)
+
+
+def _cheapest_plan(
+    rows: list[_Row], size: int, share: bool, min_shared: int, pad_multiple: int
+) -> list[tuple[list[_Row], int, int]]:
+    """Split ``rows`` into micro-batches of at most ``size`` rows, the cheapest of three ways:
+
+    - by prompt: rows in lexicographic order of their tokens, so that rows with a common
+      beginning (a group's prompt; a system prompt or few-shot examples shared by every group)
+      share it, and a micro-batch may hold several groups;
+    - by group: each group's rows on their own (its whole prompt shared), groups never mixed;
+    - by length: rows sorted by length, nothing shared, each micro-batch padded to its longest.
+    """
+    candidates = []
+    by_prompt = sorted(rows, key=lambda r: r.inputs)
+    candidates.append(
+        [_layout(c, share, min_shared, pad_multiple) for c in _chunks(by_prompt, size)]
+    )
+    if share:
+        groups: dict[int, list[_Row]] = {}
+        for row in rows:
+            groups.setdefault(row.group, []).append(row)
+        candidates.append(
+            [
+                _layout(chunk, share, min_shared, pad_multiple)
+                for group_rows in groups.values()
+                for chunk in _chunks(group_rows, size)
+            ]
+        )
+    by_length = sorted(rows, key=lambda r: len(r.inputs))
+    candidates.append(
+        [_layout(c, False, min_shared, pad_multiple) for c in _chunks(by_length, size)]
+    )
+    return min(candidates, key=_cost)
+
+
 def prepare_batch(
     batch: list[dict[str, Any]],
     micro_batch_size: int,
@@ -257,7 +312,8 @@ def prepare_batch(
     Args:
         batch: the groups, as ``GET /batch`` returns them.
         micro_batch_size: most rows per micro-batch.
-        share_prefix: run a group's common untrained prompt once per micro-batch.
+        share_prefix: run the untrained beginning the rows of a micro-batch have in common
+            (a group's prompt, or a system prompt every group shares) once per micro-batch.
         min_shared_prefix: shortest common prompt (tokens) worth sharing.
         skip_zero_advantage: leave out rows whose advantage is 0 on every trained token (only
             correct when the loss has no term but the advantage-weighted one, i.e. no KL).
@@ -297,24 +353,11 @@ def prepare_batch(
 
     kept = [r for r in rows if not (skip_zero_advantage and _no_signal(r))]
     skipped = num_sequences - len(kept)
-    loose: list[_Row] = []
-    by_group: dict[int, list[_Row]] = {}
-    for row in kept:
-        by_group.setdefault(row.group, []).append(row)
-    for group_rows in by_group.values():
-        prefix = _shared_prefix(group_rows) if share_prefix and len(group_rows) > 1 else 0
-        if prefix < max(min_shared_prefix, 1):
-            loose.extend(group_rows)
-            continue
-        shared = group_rows[0].inputs[:prefix]
-        for chunk in _chunks(group_rows, micro_batch_size):
-            width = _round_up(max(len(r.inputs) for r in chunk) - prefix, pad_multiple)
+    if kept:
+        plan = _cheapest_plan(kept, micro_batch_size, share_prefix, min_shared_prefix, pad_multiple)
+        for chunk, prefix, width in plan:
+            shared = chunk[0].inputs[:prefix] if prefix else None
             micro_batches.append(_stack(chunk, prefix, width, shared))
-    loose.sort(key=lambda r: len(r.inputs))
-    if loose:
-        for chunk in _chunks(loose, micro_batch_size):
-            width = _round_up(max(len(r.inputs) for r in chunk), pad_multiple)
-            micro_batches.append(_stack(chunk, 0, width, None))
     return TrainingBatch(
         micro_batches=micro_batches,
         num_sequences=num_sequences,

@@ -39,6 +39,7 @@ from example_trainer.data import TrainingBatch, prepare_batch
 from example_trainer.forward import check_fast_path, policy_logprobs
 from example_trainer.inference_process import (
     AtroposServeReload,
+    InferenceLaunchError,
     NoSync,
     VLLMRestart,
     WeightSync,
@@ -228,6 +229,8 @@ def train(
     step sync the server too (a vLLM the trainer launched is otherwise not restarted for it).
     """
     torch.manual_seed(config.seed)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     save_path = config.save_dir()
     save_path.mkdir(parents=True, exist_ok=True)
 
@@ -268,6 +271,7 @@ def train(
     )
     sync = make_weight_sync(config)
     api = TrainerAPIClient(config.atropos_url)
+    paused = False
     try:
         log.status("starting the inference server" if config.inference == "vllm" else "")
         sync.start(start_model)
@@ -304,6 +308,9 @@ def train(
                     " (no optimizer step)" if not batch.micro_batches else "",
                 )
             started = time.monotonic()
+            if config.pause_generation:
+                sync.pause()
+                paused = True
             metrics = train_step(model, optimizer, scheduler, batch, config, ref_model, fast=fast)
             train_seconds = time.monotonic() - started
             step += 1
@@ -337,6 +344,9 @@ def train(
                         config=config.model_dump(),
                     )
                 prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
+            if paused:
+                sync.resume()
+                paused = False
 
             extra = on_step(step, synced) if on_step is not None else None
             log.log(
@@ -363,6 +373,11 @@ def train(
         logger.info("final model saved to %s", final)
         return final
     finally:
+        if paused:  # never leave a server we do not own paused
+            try:
+                sync.resume()
+            except InferenceLaunchError as exc:
+                logger.warning("could not resume the inference server: %s", exc)
         log.close()
         sync.close()
         api.close()

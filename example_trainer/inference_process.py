@@ -194,6 +194,12 @@ class WeightSync:
     def close(self) -> None:
         """Stop whatever ``start`` launched."""
 
+    def pause(self) -> None:
+        """Stop the server generating while the trainer computes (where it can)."""
+
+    def resume(self) -> None:
+        """Let the server generate again after :meth:`pause`."""
+
     def __enter__(self) -> WeightSync:
         return self
 
@@ -356,3 +362,21 @@ class AtroposServeReload(WeightSync):
             )
         self.last_reply = response.json()
         return time.monotonic() - started
+
+    def pause(self) -> None:
+        """``POST /pause?mode=keep``: generation freezes where it is until :meth:`resume`."""
+        self._post("/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        """``POST /resume``."""
+        self._post("/resume")
+
+    def _post(self, path: str, params: dict[str, str] | None = None) -> None:
+        try:
+            response = httpx.post(self.url + path, params=params, timeout=self.timeout)
+        except httpx.TransportError as exc:
+            raise InferenceLaunchError(f"atropos-serve at {self.url} unreachable: {exc}") from exc
+        if response.status_code != 200:
+            raise InferenceLaunchError(
+                f"atropos-serve refused {path}: HTTP {response.status_code} {response.text[:300]}"
+            )

@@ -82,7 +82,9 @@ class TrainingLogger:
             done = step - self._start_step
             eta = (time.monotonic() - self._started) / max(done, 1) * (self.total_steps - step)
             self.console.print(
-                f"[{step}/{self.total_steps}, ETA {_clock(eta)}] {line}", highlight=False
+                f"[{step}/{self.total_steps}, ETA {_clock(eta)}] {line}",
+                highlight=False,
+                soft_wrap=True,
             )
         if self.wandb_run is not None:
             self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)

@@ -422,6 +422,10 @@ def run(args: argparse.Namespace) -> int:
                     served_name,
                     "--log-level",
                     "warning",
+                    # the trainer's importance ratios need the sampling distribution's
+                    # log-probabilities (temperature applied), not the model's raw ones
+                    "--logprobs-mode",
+                    "processed_logprobs",
                     *args.serve_arg,
                 ],
                 logs / "atropos-serve.log",

@@ -25,7 +25,7 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "arithmetic-learn": Recipe(
         summary="SmolLM2-135M-Instruct learns to answer 'What is a +/- b?' (operands 0-20) with "
-        "the bare integer; held-out accuracy before/after, ~25 min on 2 CPU cores",
+        "the right integer; held-out accuracy before/after, ~25 min on 2 CPU cores",
         flags={
             "env": "arithmetic",
             "steps": 80,
@@ -42,12 +42,12 @@ RECIPES: dict[str, Recipe] = {
             "env.max_operand=20",
             "env.operators=+-",
             "env.num_eval_problems=200",
-            "env.max_answer_tokens=12",
+            "env.few_shot=3",
+            "env.max_answer_tokens=6",
             "env.temperature=1.0",
-            "env.partial_credit=0.25",
-            "env.length_penalty=0.02",
+            "env.ensure_scores_are_not_same=true",
             "env.max_batches_offpolicy=1",
         ],
-        trainer_args=["checkpoint_interval=10"],
+        trainer_args=["checkpoint_interval=20", "pause_generation=true"],
     ),
 }

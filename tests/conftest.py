@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def free_port() -> int:

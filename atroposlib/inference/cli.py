@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         "rest of the server runs torch single-threaded.",
     )
     parser.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "processed_logprobs"],
+        help="Log-probabilities reported with tokens (vLLM's flag): of the model's own "
+        "distribution, or of the one each token was sampled from (after temperature, "
+        "top-k/top-p/min-p, penalties). RL trainers that sample at a temperature other than 1 "
+        "need processed_logprobs for their importance ratios.",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the decode step instead of the default CPU path (prepacked "
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         compile=args.compile,
         threads=threads,
+        logprobs_mode=args.logprobs_mode,
     )
     if args.compile:
         logging.getLogger("atroposlib.inference").info(

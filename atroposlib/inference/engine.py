@@ -39,7 +39,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from atroposlib.inference.attention import append_cache, use_decode_attention
 from atroposlib.inference.lean_decode import LeanDecoder
 from atroposlib.inference.packed_linear import pack_linear_weights
-from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
+from atroposlib.inference.sampling import LOGPROBS_MODES, RowState, SamplingParams, sample_next
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,11 @@ class GenerationEngine:
     ``transformers``' per-call overhead; fused projection weights are another copy of those
     weights; ``lean_decode=False`` keeps the model's own forward pass); ``compile`` compiles
     the decode step instead.
+
+    ``logprobs_mode`` (vLLM's names): ``raw_logprobs`` reports log-probabilities of the model's
+    distribution; ``processed_logprobs`` of the distribution each token was drawn from (after
+    temperature, top-k/top-p/min-p and penalties), which RL trainers need as the behaviour
+    policy's log-probabilities when sampling at a temperature other than 1.
     """
 
     def __init__(
@@ -252,7 +257,11 @@ class GenerationEngine:
         fast_decode: bool = True,
         lean_decode: bool = True,
         threads: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.model = model
         self.threads = threads or torch.get_num_threads()
         self.tokenizer = tokenizer
@@ -294,6 +303,12 @@ class GenerationEngine:
         self._mask: torch.Tensor | None = None
         self._pending_reload: tuple[PreTrainedModel, concurrent.futures.Future, float] | None = None
         self._drain_started: float | None = None
+        # pause/resume (vLLM's RL API): the mode asked for, whether the pause is in effect yet,
+        # and the callers waiting for it to be
+        self._pause_mode: str | None = None
+        self._paused = False
+        self._pause_started = 0.0
+        self._pause_futures: list[concurrent.futures.Future[float]] = []
         self._stopped = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="atropos-engine", daemon=True)
@@ -407,6 +422,63 @@ class GenerationEngine:
         """True while the scheduler thread runs and accepts work."""
         return self._thread.is_alive() and not self._stopped and self._failure is None
 
+    PAUSE_MODES = ("abort", "wait", "keep")
+
+    def pause(self, mode: str = "abort") -> concurrent.futures.Future[float]:
+        """Stop generating until :meth:`resume`, as vLLM's ``pause_generation`` does.
+
+        Requests that arrive meanwhile wait in the queue. ``mode`` says what happens to those
+        already generating: ``abort`` ends them now with ``finish_reason`` "abort" and the
+        tokens so far (requests still waiting are aborted too); ``wait`` lets them finish
+        first; ``keep`` freezes them where they are, and they continue after :meth:`resume`
+        (on the new weights, if a reload happened meanwhile; their earlier tokens keep their
+        key/value cache). The future resolves, with the seconds it took, once nothing runs.
+        """
+        if mode not in self.PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(self.PAUSE_MODES)}, not {mode!r}")
+        future: concurrent.futures.Future[float] = concurrent.futures.Future()
+        with self._cond:
+            if self._pause_mode is None or not self._paused:
+                self._pause_started = time.monotonic()
+            if self._paused and mode != "abort":
+                future.set_result(0.0)
+                return future
+            self._pause_mode = mode
+            self._paused = False
+            if mode == "abort":
+                for seq in self._running:
+                    seq.handle.abort()
+                for handle in self._waiting:
+                    handle.abort()
+            self._pause_futures.append(future)
+            self._cond.notify()
+        return future
+
+    def resume(self) -> bool:
+        """Generate again after :meth:`pause`; returns whether the engine was paused."""
+        with self._cond:
+            was = self._pause_mode is not None
+            self._pause_mode, self._paused = None, False
+            for future in self._pause_futures:  # a pause still draining ends unfulfilled
+                if not future.done():
+                    future.set_result(time.monotonic() - self._pause_started)
+            self._pause_futures = []
+            self._cond.notify()
+        return was
+
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause` taking effect and :meth:`resume`."""
+        with self._cond:
+            return self._paused
+
+    def _has_work(self) -> bool:
+        if self._stopped or self._pending_reload is not None:
+            return True
+        if self._pause_mode is not None:
+            return not self._paused  # still getting to the pause
+        return bool(self._waiting or self._running)
+
     def load(self) -> dict[str, int]:
         """Sequences running and requests waiting right now."""
         with self._cond:
@@ -496,26 +568,37 @@ class GenerationEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (
-                        self._stopped or self._waiting or self._running or self._pending_reload
-                    ):
+                    while not self._has_work():
                         self._cond.wait()
                     if self._stopped:
                         break
                     self._swap_weights_if_drained()
                     admitted = self._admit()
+                    mode = self._pause_mode
                 try:
                     if admitted:
                         self._prefill(admitted)
-                    if self._running:
+                    if self._running and mode in (None, "wait"):
                         self._decode_step()
+                    elif self._running and mode == "abort":
+                        self._retire_finished()  # rows of aborted requests leave the batch
                 except Exception as exc:  # noqa: BLE001 - reported to every affected request
                     logger.exception("generation step failed")
                     self._fail_batch(exc, admitted)
+                with self._cond:
+                    if self._pause_mode is not None and not self._paused:
+                        if self._pause_mode == "keep" or not self._running:
+                            self._paused = True
+                            took = time.monotonic() - self._pause_started
+                            for future in self._pause_futures:
+                                if not future.done():
+                                    future.set_result(took)
+                            self._pause_futures = []
         self._fail_everything(EngineUnavailableError("the generation engine stopped"))
 
     def _swap_weights_if_drained(self) -> None:
-        if self._pending_reload is None or self._running:
+        # Rows frozen by a "keep" pause do not block a reload: they continue on the new weights.
+        if self._pending_reload is None or (self._running and self._pause_mode != "keep"):
             return
         model, future, requested_at = self._pending_reload
         drained = time.monotonic() - (self._drain_started or time.monotonic())
@@ -539,9 +622,11 @@ class GenerationEngine:
 
     def _admit(self) -> list[RequestHandle]:
         """Pop the waiting requests that fit into the batch now (FIFO, under the lock)."""
-        while self._waiting and self._waiting[0].aborted:
-            self._finish_aborted(self._waiting.popleft())
-        if self._pending_reload is not None:
+        if any(h.aborted for h in self._waiting):
+            for handle in [h for h in self._waiting if h.aborted]:
+                self._waiting.remove(handle)
+                self._finish_aborted(handle)
+        if self._pending_reload is not None or self._pause_mode is not None:
             return []
         admitted: list[RequestHandle] = []
         free = self.max_batch - len(self._running)
@@ -647,7 +732,9 @@ class GenerationEngine:
             for h in handles
             for i in range(h.params.n)
         ]
-        tokens, raw_logprobs = sample_next(logits[index], [s.row for s in sequences])
+        tokens, raw_logprobs = sample_next(
+            logits[index], [s.row for s in sequences], processed=self.processed_logprobs
+        )
         self._merge(cache, mask.to(self.device), sequences)
         self._record_tokens(sequences, tokens, raw_logprobs)
         self._retire_finished()
@@ -716,7 +803,9 @@ class GenerationEngine:
             self._cache = out.past_key_values
             logits = out.logits[:, -1, :].float().cpu()
         self._mask = mask
-        tokens, raw_logprobs = sample_next(logits, [s.row for s in self._running])
+        tokens, raw_logprobs = sample_next(
+            logits, [s.row for s in self._running], processed=self.processed_logprobs
+        )
         self.stats["steps"] += 1
         self._record_tokens(self._running, tokens, raw_logprobs)
         self._retire_finished()

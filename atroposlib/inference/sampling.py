@@ -104,11 +104,21 @@ class RowState:
     """Token ids (EOS, stop ids) that may not be sampled until ``min_tokens`` are out."""
 
 
-def sample_next(logits: torch.Tensor, rows: list[RowState]) -> tuple[torch.Tensor, torch.Tensor]:
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""What reported log-probabilities are of (vLLM's ``--logprobs-mode`` names): the model's own
+distribution, or the one tokens were drawn from (after penalties, temperature, top-k, top-p,
+min-p), which is what an RL trainer's importance ratio needs at a temperature other than 1."""
+
+
+def sample_next(
+    logits: torch.Tensor, rows: list[RowState], *, processed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``logits`` ([batch, vocab], raw model output).
 
-    Returns ``(token_ids, raw_logprobs)``: the sampled ids ([batch]) and the log-softmax of the
-    raw logits ([batch, vocab]), from which reported log-probs are read.
+    Returns ``(token_ids, logprobs)``: the sampled ids ([batch]) and the log-softmax
+    ([batch, vocab]) that reported log-probs are read from: of the raw logits, or with
+    ``processed`` of the distribution each sampled row was drawn from (greedy rows keep the
+    raw one).
     """
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -150,6 +160,9 @@ def sample_next(logits: torch.Tensor, rows: list[RowState]) -> tuple[torch.Tenso
     chosen[index] = _inverse_cdf_sample(
         torch.softmax(scores, dim=-1), [rows[i].generator for i in sampled]
     )
+    if processed:
+        raw_logprobs = raw_logprobs.clone()
+        raw_logprobs[index] = torch.log_softmax(scores, dim=-1)
     return chosen, raw_logprobs
 
 

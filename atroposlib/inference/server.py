@@ -158,6 +158,7 @@ def create_app(state: ServerState) -> FastAPI:
             "model": state.served_model_names[0],
             "weights_version": engine.weights_version,
             "decode_path": engine.decode_path,
+            "paused": engine.paused,
             **engine.load(),
             "stats": dict(engine.stats),
         }
@@ -299,6 +300,41 @@ def create_app(state: ServerState) -> FastAPI:
         if body.prompt_logprobs is not None:
             result["prompt_logprobs"] = handle.prompt_logprobs
         return _json(result, handle)
+
+    @app.post("/pause")
+    async def pause(
+        mode: str | None = None,
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Stop generating until ``POST /resume`` (vLLM's RL endpoint, same parameters).
+
+        ``mode``: ``abort`` (the default, as vLLM: requests generating now end with
+        ``finish_reason`` "abort"), ``wait`` (they finish first) or ``keep`` (they freeze
+        and continue after ``/resume``). vLLM's older ``wait_for_inflight_requests=true``
+        means ``wait``. New requests queue meanwhile. ``clear_cache`` is accepted for
+        compatibility: frozen rows keep their key/value cache, and there is no prefix cache
+        across requests to clear. Answers once the pause is in effect.
+        """
+        del clear_cache
+        chosen = mode or ("wait" if wait_for_inflight_requests else "abort")
+        if chosen not in state.engine.PAUSE_MODES:
+            raise APIError(
+                400, f"mode must be one of {', '.join(state.engine.PAUSE_MODES)}", param="mode"
+            )
+        seconds = await asyncio.wrap_future(state.engine.pause(chosen))
+        return {"status": "paused", "mode": chosen, "seconds": round(seconds, 3)}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        """Generate again after ``POST /pause`` (a no-op when not paused)."""
+        was_paused = state.engine.resume()
+        return {"status": "resumed", "was_paused": was_paused}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        """``{"is_paused": bool}``, as vLLM."""
+        return {"is_paused": state.engine.paused}
 
     @app.post("/reload_weights")
     async def reload_weights(body: ReloadRequest) -> dict[str, Any]:

@@ -140,9 +140,13 @@ def load_local_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
     """Rows of a local dataset: a ``.jsonl`` file, a ``.json`` file (list of rows or
     ``{"data": [...]}``), or a folder with ``{split}.jsonl`` / ``{split}.json``.
 
-    Raises FileNotFoundError naming the path, ValueError naming the line or the shape problem.
+    A relative path that does not exist from the working directory is also looked up from the
+    repository root (so ``environments/data/gsm8k`` works from anywhere). Raises
+    FileNotFoundError naming the path, ValueError naming the line or the shape problem.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
+    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path  # configs name bundled data relative to the repository
     if path.is_dir():
         candidates = [path / f"{split}.jsonl", path / f"{split}.json"]
         file = next((c for c in candidates if c.is_file()), candidates[0])
@@ -173,6 +177,10 @@ def load_local_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise ValueError(f"dataset_path: {file}: row {i + 1} is not an object: {row!r:.80}")
     return rows
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The repository this file lives in (bundled data: ``environments/data``)."""
 
 
 class DatasetEnvConfig(BaseEnvConfig):

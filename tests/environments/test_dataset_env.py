@@ -20,10 +20,10 @@ from environments.dataset_environment.dataset_env import (
     normalise_reward_spec,
     render_prompt,
 )
-from tests.conftest import REPO, SHARED_DATA
+from tests.conftest import REPO
 from tests.environments.test_gsm8k import assert_valid_groups, fake_sample, make_env, run_process
 
-GSM8K = SHARED_DATA / "gsm8k"
+GSM8K = REPO / "environments" / "data" / "gsm8k"
 SCRIPT = REPO / "environments" / "dataset_environment" / "dataset_env.py"
 LOCAL_CONFIG = REPO / "environments" / "dataset_environment" / "configs" / "gsm8k_local.yaml"
 ROW = {"question": "Janet has 16 eggs, eats 3 and bakes 4. How many are left?", "answer": "#### 9"}
@@ -214,9 +214,9 @@ async def test_setup_checks_fields_against_the_rows(env, tmp_path: Path) -> None
     assert env.test == []  # no eval set configured, a file has no test split
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
-async def test_setup_reads_the_shared_gsm8k(env) -> None:
-    env.config.dataset_path = str(GSM8K)
+async def test_setup_reads_the_bundled_gsm8k_from_anywhere(env, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the relative path is found from the repository root
+    env.config.dataset_path = "environments/data/gsm8k"
     env.config.max_eval_items = 20
     await env.setup()
     assert len(env.train) == 7473 and len(env.test) == 20
@@ -246,7 +246,6 @@ def _metrics(path: Path) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
 @pytest.mark.slow
 def test_process_end_to_end_with_the_shipped_yaml(
     tiny_serve, tiny_model_dir: Path, tmp_path: Path
@@ -258,8 +257,6 @@ def test_process_end_to_end_with_the_shipped_yaml(
         tiny_model_dir,
         "--config",
         str(LOCAL_CONFIG),
-        "--env.dataset_path",
-        str(GSM8K),
         "--env.total_steps",
         "2",
         "--env.group_size",

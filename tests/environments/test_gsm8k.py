@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from atroposlib.envs.base import APIServerConfig
+from environments.gsm8k_server import BUNDLED_GSM8K as GSM8K
 from environments.gsm8k_server import GSM8kEnv, Sample, load_rows
-from tests.conftest import REPO, SHARED_DATA
-
-GSM8K = SHARED_DATA / "gsm8k"
+from tests.conftest import REPO
 
 
 def make_env(env_cls, tokenizer_dir: Path, **overrides):
@@ -136,9 +135,8 @@ def test_local_jsonl_errors_name_the_path(tmp_path: Path) -> None:
         load_rows(bad, "train")
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
-async def test_setup_reads_the_local_copy(gsm8k_env) -> None:
-    gsm8k_env.config.dataset_path = str(GSM8K)
+async def test_setup_reads_the_bundled_copy_by_default(gsm8k_env) -> None:
+    assert gsm8k_env.config.dataset_path is None  # no path, no Hub: the repository's copy
     gsm8k_env.config.max_eval_items = 50
     await gsm8k_env.setup()
     assert len(gsm8k_env.train) == len(load_rows(GSM8K, "train"))
@@ -148,7 +146,6 @@ async def test_setup_reads_the_local_copy(gsm8k_env) -> None:
     assert set(item) >= {"question", "answer"}
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="../shared/data/gsm8k is not present")
 @pytest.mark.slow
 def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
     groups = run_process(
@@ -156,8 +153,6 @@ def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) ->
         tmp_path,
         tiny_serve,
         tiny_model_dir,
-        "--env.dataset_path",
-        str(GSM8K),
         "--env.total_steps",
         "2",
         "--env.group_size",

@@ -67,3 +67,20 @@ def test_seeded_rows_repeat_whatever_else_is_batched() -> None:
     alone = draws(logits[:1], 0)
     batched = draws(torch.cat([logits[1:], logits[:1]]), 2)
     assert alone == batched
+
+
+def test_processed_logprobs_are_the_sampling_distribution() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, 200)
+    rows = [
+        _row(SamplingParams(max_tokens=1, temperature=0.5)),
+        _row(SamplingParams(max_tokens=1, temperature=0.0)),
+        _row(SamplingParams(max_tokens=1, temperature=1.0, top_k=5)),
+    ]
+    tokens, processed = sample_next(logits, rows, processed=True)
+    assert torch.allclose(processed[0], torch.log_softmax(logits[0] / 0.5, -1))
+    assert torch.allclose(processed[1], torch.log_softmax(logits[1], -1))  # greedy: raw
+    top5 = logits[2].topk(5).indices
+    assert torch.isinf(processed[2]).sum() == 200 - 5  # outside the top-k: impossible
+    assert torch.allclose(processed[2, top5], torch.log_softmax(logits[2, top5], -1))
+    assert torch.isfinite(processed[torch.arange(3), tokens]).all()  # drawn tokens are possible

@@ -345,7 +345,7 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
     assert list((save_path / "wandb").glob("offline-run-*")), "W&B offline run not written"
 
 
-def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int):
+def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int, *extra: str):
     return subprocess.Popen(
         [
             sys.executable,
@@ -365,6 +365,7 @@ def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port
             str(inf_port),
             "--batch-timeout",
             "180",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -377,15 +378,30 @@ def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port
 @pytest.mark.slow
 def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: Path) -> None:
     api_port, inf_port = free_port(), free_port()
-    proc = _quickstart(tmp_path, tiny_model_dir, 2, api_port, inf_port)
+    proc = _quickstart(
+        tmp_path, tiny_model_dir, 2, api_port, inf_port,
+        "--eval", "--eval-every", "1", "--env-arg", "env.num_eval_problems=20",
+    )  # fmt: skip
     output, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, output[-4000:]
     out = tmp_path / "out"
     assert (out / "rollouts.jsonl").stat().st_size > 0
-    assert (out / "rollouts.html").is_file()
+    page = (out / "rollouts.html").read_text()
+    assert "step 0 &middot;" in page and "mean score" in page  # group headers
     assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
-    assert (out / "checkpoints" / "final_model" / "config.json").is_file()
-    assert len(_metrics(out / "checkpoints")) == 2
+    assert (out / "final_model" / "config.json").is_file()
+    records = _metrics(out)
+    # the base model's evaluation (step 0), then every step, with the held-out numbers
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all("eval/percent_correct" in r for r in records)
+    assert [("reward_mean" in r) for r in records] == [False, True, True]
+    for label in ("before", "after"):
+        result = json.loads((out / f"eval_{label}.json").read_text())["results"]["all"]
+        assert 0.0 <= result["eval/percent_correct"] <= 1.0
+        assert len((out / "evals" / label / "samples.jsonl").read_text().splitlines()) == 20
+    assert (out / "evals" / "step_1" / "metrics.json").is_file()
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "held-out (greedy)" in output and "eval/percent_correct" in output  # the table
     for name in ("run-api.log", "atropos-serve.log", "env.log"):
         assert (out / "logs" / name).is_file()
     assert f"Everything is in {out}" in output and "rollouts.html" in output
