@@ -136,6 +136,16 @@ def render_prompt(template: str | None, row: dict[str, Any], prompt_field: str) 
         ) from None
 
 
+def resolve_local_path(path: str | Path) -> Path:
+    """``path`` as given, or from the repository root when it is relative and does not exist
+    from the working directory (configs name bundled data such as ``environments/data/gsm8k``
+    relative to the repository)."""
+    path = Path(path).expanduser()
+    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
+        return REPO_ROOT / path
+    return path
+
+
 def load_local_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
     """Rows of a local dataset: a ``.jsonl`` file, a ``.json`` file (list of rows or
     ``{"data": [...]}``), or a folder with ``{split}.jsonl`` / ``{split}.json``.
@@ -144,9 +154,7 @@ def load_local_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
     repository root (so ``environments/data/gsm8k`` works from anywhere). Raises
     FileNotFoundError naming the path, ValueError naming the line or the shape problem.
     """
-    path = Path(path).expanduser()
-    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path  # configs name bundled data relative to the repository
+    path = resolve_local_path(path)
     if path.is_dir():
         candidates = [path / f"{split}.jsonl", path / f"{split}.json"]
         file = next((c for c in candidates if c.is_file()), candidates[0])
@@ -343,7 +351,7 @@ class DatasetEnv(BaseEnv):
                 cfg.eval_split,
             )
         elif cfg.dataset_path:
-            if Path(cfg.dataset_path).is_dir():
+            if resolve_local_path(cfg.dataset_path).is_dir():
                 try:
                     self.test = load_local_rows(cfg.dataset_path, cfg.eval_split)
                 except FileNotFoundError:
