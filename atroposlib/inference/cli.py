@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before anything large is allocated: freed weights go back to the system (every
+    # /reload_weights loads a new copy; see atroposlib.utils.memory).
+    from atroposlib.utils.memory import pin_mmap_threshold
+
+    pin_mmap_threshold()
     # Imported here so `atropos-serve --help` answers without loading torch.
     import torch
     import uvicorn

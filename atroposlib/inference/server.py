@@ -33,6 +33,7 @@ from atroposlib.inference.engine import (
     RequestHandle,
     SampleOutput,
     StreamEvent,
+    release_model,
 )
 from atroposlib.inference.models import load_weights
 from atroposlib.inference.protocol import (
@@ -359,6 +360,7 @@ def create_app(state: ServerState) -> FastAPI:
             try:
                 future = state.engine.request_reload(model)
             except ValueError as exc:
+                release_model(model)
                 raise APIError(400, str(exc), param="path") from exc
             info = await asyncio.wrap_future(future)
             state.model_source = str(path)

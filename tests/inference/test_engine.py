@@ -91,3 +91,48 @@ def test_compiled_decode_matches_eager_and_survives_a_reload(
                 engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_replaced_model_is_freed_at_once(tiny_model_dir: Path, tiny_model_dir_b: Path) -> None:
+    """Each reload frees the model it replaces, without waiting for Python's cyclic collector
+    (which a training run that reloads every step outpaced: the server grew by one model per
+    reload). Checked with the collector off, after reloads that generated in between."""
+    import gc
+    import weakref
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from atroposlib.inference.models import load_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+    folders = [tiny_model_dir, tiny_model_dir_b, tiny_model_dir, tiny_model_dir_b]
+
+    async def run() -> list[weakref.ref]:
+        model = load_weights(str(folders[0]), torch.float32)
+        served = [weakref.ref(model)]
+        engine = GenerationEngine(model, tokenizer).start()
+        del model
+        try:
+            for folder in folders[1:]:
+                await engine.submit([1, 2, 3, 4], params).result()
+                model = load_weights(str(folder), torch.float32)
+                await asyncio.wrap_future(engine.request_reload(model))
+                served.append(weakref.ref(model))
+                del model
+            await engine.submit([1, 2, 3, 4], params).result()
+        finally:
+            engine.shutdown()
+        return served
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        served = asyncio.run(run())
+        # every model that was replaced is gone by reference counting alone
+        assert [ref() is None for ref in served[:-1]] == [True, True, True]
+    finally:
+        if enabled:
+            gc.enable()

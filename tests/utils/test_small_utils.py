@@ -137,3 +137,18 @@ def test_parse_http_response(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError):
         asyncio.run(parse_http_response(_HttpxLike(500, "boom")))
     assert "Status: 500" in caplog.text and "boom" in caplog.text
+
+
+def test_pin_mmap_threshold_applies_on_glibc_and_respects_the_users_choice(monkeypatch) -> None:
+    """atropos-serve pins glibc's mmap threshold so dropped weights go back to the system; a
+    value the user set with MALLOC_MMAP_THRESHOLD_ is left alone."""
+    import platform
+    import sys
+
+    from atroposlib.utils.memory import pin_mmap_threshold
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    on_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert pin_mmap_threshold() is on_glibc
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    assert pin_mmap_threshold() is False
