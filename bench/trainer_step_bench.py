@@ -1,7 +1,7 @@
 """One GRPO optimizer step, timed in-process for several trainer layouts on identical batches.
 
 Batches are built the way an environment builds them: real chat prompts through the model's
-chat template, ``--group-size`` replies per prompt with lengths drawn from ``--reply-tokens``
+chat template (the arithmetic-learn recipe's few-shot prompt, or GSM8K test questions), ``--group-size`` replies per prompt with lengths drawn from ``--reply-tokens``
 (min,max), scores drawn so that ``--flat-fraction`` of the groups score alike. Every layout
 trains the same batches; rounds alternate the layouts and the medians are printed, so the
 ratios hold even while the machine's speed drifts.
@@ -36,38 +36,48 @@ sys.path.insert(0, str(REPO))
 
 LAYOUTS = ["before", "no-ckpt", "buckets", "trained", "shared", "skip"]
 
+
+def _arithmetic_messages(rng):
+    from environments.arithmetic_server import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT
+
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for question, answer in FEW_SHOT_EXAMPLES:
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]
+    a, op, b = rng.randint(0, 20), rng.choice("+-"), rng.randint(0, 20)
+    return messages + [{"role": "user", "content": f"What is {a} {op} {b}?"}]
+
+
+def _gsm8k_messages(rng):
+    from environments.gsm8k_server import BUNDLED_GSM8K, load_rows
+
+    rows = load_rows(BUNDLED_GSM8K, "test")
+    system = "Solve the problem step by step. End with the final answer as \\boxed{N}."
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": rng.choice(rows)["question"]},
+    ]
+
+
 TASKS = {
-    # (system prompt, question maker, reply token range)
-    "arithmetic": (
-        "You are a calculator. Reply with only the final integer answer.",
-        lambda rng: f"What is {rng.randint(0, 20)} {rng.choice('+-')} {rng.randint(0, 20)}?",
-        (2, 16),
-    ),
-    "gsm8k": (
-        "Solve the problem step by step. End with the final answer as \\boxed{N}.",
-        lambda rng: (
-            " ".join(
-                rng.choice(["Tom", "has", "apples", "and", "buys", "3", "more", "each", "day"])
-                for _ in range(rng.randint(40, 80))
-            )
-            + "?"
-        ),
-        (60, 256),
-    ),
+    # (chat maker, reply token range): the arithmetic-learn recipe's prompt (system prompt,
+    # three worked examples, the question) and bare-integer replies; GSM8K questions with
+    # worked-solution-length replies
+    "arithmetic": (_arithmetic_messages, (1, 4)),
+    "gsm8k": (_gsm8k_messages, (60, 256)),
 }
 
 
 def build_batch(tokenizer, task: str, groups: int, group_size: int, flat: float, seed: int):
     """``groups`` groups of ``group_size`` tokenized chats, as ``GET /batch`` returns them."""
-    system, question, (lo, hi) = TASKS[task]
+    make_messages, (lo, hi) = TASKS[task]
     rng = random.Random(seed)
     vocab_words = ["1", "2", "3", "4", "5", "plus", "minus", "is", "the", "answer", "="]
     batch = []
     for _ in range(groups):
-        messages = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": question(rng)},
-        ]
+        messages = make_messages(rng)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tokenizer(text, add_special_tokens=False).input_ids
         tokens, masks, old = [], [], []

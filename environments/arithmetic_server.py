@@ -266,6 +266,11 @@ class ArithmeticEnv(BaseEnv):
             "scores": [],
             "messages": [],
             "group_overrides": {},
+            # the trainer scales its logits by the temperature the samples were drawn at
+            "generation_params": {
+                "temperature": self.config.temperature,
+                "max_tokens": self.config.max_answer_tokens,
+            },
         }
         correct = []
         if self._uses_token_server():

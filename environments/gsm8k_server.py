@@ -198,6 +198,16 @@ class GSM8kEnvConfig(BaseEnvConfig):
         default=True, description="Penalise long answers when the whole group is correct"
     )
     system_prompt: str = Field(default=SYSTEM_PROMPT, description="System prompt")
+    max_answer_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generation budget per reply (tokens); default: max_token_length (upstream)",
+    )
+    format_reward: float = Field(
+        default=0.0,
+        description="Added to the score of a reply whose final answer is well formed (a "
+        "\\boxed{} answer math-verify can read), right or wrong",
+    )
     seed: int = Field(default=42, description="Shuffle seed of the training set")
 
 
@@ -263,6 +273,11 @@ class GSM8kEnv(BaseEnv):
         data["iter"] = self.iter
         super().save_checkpoint(step, data)
 
+    @property
+    def budget(self) -> int:
+        """Tokens a reply may have."""
+        return self.config.max_answer_tokens or self.config.max_token_length
+
     def messages_for(self, question: str) -> list[dict[str, str]]:
         """The chat sent to the model."""
         return [
@@ -283,7 +298,7 @@ class GSM8kEnv(BaseEnv):
             self,
             self.messages_for(item["question"]),
             n=self.config.group_size,
-            max_tokens=self.config.max_token_length,
+            max_tokens=self.budget,
             temperature=self.config.temperature,
         )
         return self.score_samples(samples, self.gold_for(item)), []
@@ -303,21 +318,24 @@ class GSM8kEnv(BaseEnv):
         for sample in samples:
             if sample.trainable_tokens < self.config.min_completion_tokens:
                 continue
-            correct = math_scoring.verify_answer(
-                math_scoring.parse_response(sample.text), gold_parsed
-            )
+            parsed = math_scoring.parse_response(sample.text)
+            correct = math_scoring.verify_answer(parsed, gold_parsed)
             group["tokens"].append(sample.tokens)
             group["masks"].append(sample.masks)
             group["messages"].append(sample.messages)
             if sample.logprobs is not None:
                 group["inference_logprobs"].append(sample.logprobs)
-            group["scores"].append(1.0 if correct else -1.0)
+            score = 1.0 if correct else -1.0
+            if parsed:
+                score += self.config.format_reward
+            group["scores"].append(score)
         if not group["tokens"]:
             return None
         if len(group["inference_logprobs"]) != len(group["tokens"]):
             del group["inference_logprobs"]
-        self.percent_correct_buffer.extend(max(s, 0.0) for s in group["scores"])
-        if self.config.length_penalty and all(s == 1.0 for s in group["scores"]):
+        best = 1.0 + self.config.format_reward
+        self.percent_correct_buffer.extend(1.0 if s == best else 0.0 for s in group["scores"])
+        if self.config.length_penalty and all(s == best for s in group["scores"]):
             group["scores"] = length_penalty_scores(
                 [len(t) for t in group["tokens"]], self.config.max_token_length
             )
@@ -325,6 +343,8 @@ class GSM8kEnv(BaseEnv):
             return None
         if len(group["tokens"]) != self.config.group_size:
             group["group_overrides"] = {"group_size": len(group["tokens"])}
+        # the trainer scales its logits by the temperature the samples were drawn at
+        group["generation_params"] = {"temperature": self.config.temperature}
         return group
 
     # ------------------------------------------------------------------ evaluation
@@ -333,7 +353,7 @@ class GSM8kEnv(BaseEnv):
         """One greedy answer to a test question, scored 1/0."""
         messages = self.messages_for(question)
         text, finish = await eval_completion(
-            self, messages, self.config.max_token_length, self.config.eval_temperature
+            self, messages, self.budget, self.config.eval_temperature
         )
         parsed = math_scoring.parse_response(text)
         correct = math_scoring.verify_answer(parsed, math_scoring.parse_gold(gold))
@@ -367,7 +387,7 @@ class GSM8kEnv(BaseEnv):
             end_time=time.time(),
             generation_parameters={
                 "temperature": self.config.eval_temperature,
-                "max_tokens": self.config.max_token_length,
+                "max_tokens": self.budget,
             },
         )
         return metrics

@@ -170,9 +170,16 @@ class TrainingConfig(BaseModel):
     pause_generation: bool = Field(
         default=False,
         description="Pause the inference server while the trainer computes a step and syncs "
-        "(POST /pause?mode=keep ... /resume; atropos-serve and vLLM's RL endpoints): "
-        "generation and training take turns on the same cores, and rollouts run on the newest "
-        "weights. For one small machine; on separate machines leave it off.",
+        "(POST /pause ... /resume; atropos-serve and vLLM's RL endpoints): generation and "
+        "training take turns on the same cores. For one small machine; on separate machines "
+        "leave it off (inference=atropos-serve only).",
+    )
+    pause_mode: Literal["abort", "keep", "wait"] = Field(
+        default="abort",
+        description="What a pause does to generations in flight. abort: they end and the "
+        "environments' clients run them again after the pause, on the new weights (every batch "
+        "on-policy). keep: they freeze and continue after it (tokens from two policies). wait: "
+        "they finish first (the pause starts later).",
     )
     served_model_name: str | None = Field(
         default=None,

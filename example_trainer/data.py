@@ -3,16 +3,20 @@
 Each sequence of the batch becomes a *row*: ``input_ids = tokens[:-1]`` and ``labels = masks[1:]``
 (a mask holds the token id where it is trained, -100 elsewhere), so position ``t`` of a row
 predicts ``labels[t]``. Rows are grouped into micro-batches (one forward/backward pass each) in
-three ways that never change the gradient:
+ways that never change the gradient:
 
-- **Prompt sharing.** The sequences of a group usually start with the same prompt. When they share
-  at least ``min_shared_prefix`` untrained leading tokens, the prompt goes into
-  ``MicroBatch.prefix_ids`` and is run once per micro-batch; each row then holds only the rest
-  of its sequence (see :func:`example_trainer.forward.policy_logprobs`). For short completions
-  after a long prompt (arithmetic, multiple choice) this removes most of the tokens.
-- **Length buckets.** The other rows are sorted by length and each micro-batch is padded only to
-  its own longest row (rounded up to ``pad_multiple``), instead of the whole batch being padded
-  to one length.
+- **Prompt sharing.** The rows of a micro-batch often start with the same tokens: a group's
+  prompt, or a system prompt and few-shot examples every group has. When they share at least
+  ``min_shared_prefix`` untrained leading tokens, those go into ``MicroBatch.prefix_ids`` and
+  run once per micro-batch; each row then holds only the rest of its sequence (see
+  :func:`example_trainer.forward.policy_logprobs`). For short completions after a long prompt
+  (arithmetic, multiple choice) this removes most of the tokens.
+- **Length buckets.** Each micro-batch is padded only to its own longest row (rounded up to
+  ``pad_multiple``), instead of the whole batch being padded to one length.
+- **The cheapest split.** Rows go into micro-batches of at most ``micro_batch_size`` in
+  whichever of three orders costs the fewest token positions (counting
+  ``MICRO_BATCH_OVERHEAD`` per pass): by prompt (lexicographic, so several groups can share a
+  common beginning), by group (each group's whole prompt shared), or by length (nothing shared).
 - **Zero-advantage rows are skipped** (``skip_zero_advantage``, only valid without a KL term): a
   sequence whose advantage is 0 on every trained token adds nothing to the GRPO gradient. The
   loss still divides by the batch's full sequence and token counts, so the gradient is the

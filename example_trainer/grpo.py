@@ -309,7 +309,7 @@ def train(
                 )
             started = time.monotonic()
             if config.pause_generation:
-                sync.pause()
+                sync.pause(config.pause_mode)
                 paused = True
             metrics = train_step(model, optimizer, scheduler, batch, config, ref_model, fast=fast)
             train_seconds = time.monotonic() - started

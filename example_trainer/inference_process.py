@@ -194,7 +194,7 @@ class WeightSync:
     def close(self) -> None:
         """Stop whatever ``start`` launched."""
 
-    def pause(self) -> None:
+    def pause(self, mode: str = "abort") -> None:
         """Stop the server generating while the trainer computes (where it can)."""
 
     def resume(self) -> None:
@@ -363,9 +363,9 @@ class AtroposServeReload(WeightSync):
         self.last_reply = response.json()
         return time.monotonic() - started
 
-    def pause(self) -> None:
-        """``POST /pause?mode=keep``: generation freezes where it is until :meth:`resume`."""
-        self._post("/pause", params={"mode": "keep"})
+    def pause(self, mode: str = "abort") -> None:
+        """``POST /pause?mode=MODE``: nothing generates until :meth:`resume`."""
+        self._post("/pause", params={"mode": mode})
 
     def resume(self) -> None:
         """``POST /resume``."""

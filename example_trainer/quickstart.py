@@ -426,6 +426,10 @@ def run(args: argparse.Namespace) -> int:
                     # log-probabilities (temperature applied), not the model's raw ones
                     "--logprobs-mode",
                     "processed_logprobs",
+                    # serve the trainer's precision: a bfloat16 copy of float32 training
+                    # weights rounds small updates away and samples from another policy
+                    "--dtype",
+                    _serve_dtype(config),
                     *args.serve_arg,
                 ],
                 logs / "atropos-serve.log",
@@ -522,6 +526,13 @@ def run(args: argparse.Namespace) -> int:
             child.stop()
         _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
     return 0
+
+
+def _serve_dtype(config: Any) -> str:
+    """atropos-serve's ``--dtype``: the weights' dtype in the trainer."""
+    from example_trainer.grpo import resolve_dtype
+
+    return str(resolve_dtype(config)).removeprefix("torch.")
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:

@@ -125,9 +125,10 @@ def test_dpo_end_to_end_with_arithmetic_env(
 ) -> None:
     """run-api + arithmetic env (``serve``) + atropos-serve + atropos-dpo-gen.
 
-    Uses the real SmolLM2-135M-Instruct: its replies are numbers, right (1.0) or wrong (-0.5),
-    or text (-1.0), so groups have distinct scores to pair (a random tiny model nearly always
-    answers with words only, and every group would score -1.0).
+    Uses the real SmolLM2-135M-Instruct and a graded reward (right 1.0, the answer somewhere
+    later in the reply 0.5, wrong 0.0, no number at all -1.0), so groups have distinct scores
+    to pair (a random tiny model nearly always answers with words only, and every group would
+    score alike).
     """
     pytest.importorskip("torch")
     from atroposlib.inference.models import smollm2_model_dir
@@ -144,7 +145,10 @@ def test_dpo_end_to_end_with_arithmetic_env(
     )  # fmt: skip
     try:
         wait_registered(api.url, 32, tool)
-        env = arithmetic_env(api.url, serve.url, model_dir, tmp_path / "env.log")
+        env = arithmetic_env(
+            api.url, serve.url, model_dir, tmp_path / "env.log",
+            "--env.partial_credit", "0.5", "--env.format_penalty", "1.0",
+        )  # fmt: skip
         rc = tool.wait(420)
     finally:
         tool.stop()
@@ -159,4 +163,4 @@ def test_dpo_end_to_end_with_arithmetic_env(
         assert set(line) == {"prefix", "pos", "neg", "score", "neg_score"}
         assert "What is" in line["prefix"]
         assert line["score"] - line["neg_score"] > 0.25
-        assert {line["score"], line["neg_score"]} <= {1.0, -0.5, -1.0}
+        assert {line["score"], line["neg_score"]} <= {1.0, 0.5, 0.0, -1.0}

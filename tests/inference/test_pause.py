@@ -179,3 +179,33 @@ def test_processed_logprobs_mode_reports_the_tempered_distribution(
     assert served != pytest.approx(
         [raw[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids)], abs=2e-3
     )
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep", "wait"])
+async def test_pausing_under_load_never_hangs(server, mode: str) -> None:
+    """Requests keep arriving while the server is paused and resumed again and again (a
+    trainer's steps): every pause takes effect, and every request gets its answer."""
+    url = server.url
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def traffic() -> list[str]:
+            reasons = []
+            for _ in range(12):
+                batch = await asyncio.gather(
+                    *(client.post(url + "/v1/completions", json=_body(12, n=2)) for _ in range(4))
+                )
+                reasons += [c["finish_reason"] for r in batch for c in r.json()["choices"]]
+            return reasons
+
+        load = asyncio.create_task(traffic())
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            paused = await asyncio.wait_for(
+                client.post(url + "/pause", params={"mode": mode}), timeout=30
+            )
+            assert paused.status_code == 200
+            await asyncio.sleep(0.1)
+            await client.post(url + "/resume")
+        reasons = await asyncio.wait_for(load, timeout=120)
+    assert len(reasons) == 12 * 4 * 2
+    assert set(reasons) <= ({"length", "abort"} if mode == "abort" else {"length"})

@@ -267,6 +267,16 @@ def server_root(base_url: str) -> str:
     return root
 
 
+def _was_aborted(result: Any) -> bool:
+    """Whether a backend result holds a choice that ended with ``finish_reason`` "abort"."""
+    choices = getattr(result, "choices", None)
+    if choices is not None:
+        return any(getattr(c, "finish_reason", None) == "abort" for c in choices)
+    if isinstance(result, tuple) and len(result) == 4 and isinstance(result[3], list):
+        return "abort" in result[3]  # tokens_and_logprobs_completion's finish reasons
+    return False
+
+
 def _retryable(exc: BaseException) -> bool:
     """Retry transport errors and 5xx/408/409/429; a bad request stays bad."""
     if isinstance(exc, (NotImplementedError, AssertionError, TypeError, ValueError)):
@@ -296,7 +306,12 @@ class APIServer(ABC):
     4. retries transient failures (transport errors, 5xx, 408/409/429) up to 3 attempts in
        all, with random exponential backoff; exhausting them raises ``tenacity.RetryError``
        (the last error is ``err.last_attempt.exception()``), other errors propagate at once,
-    5. records the request time and attempt count in bounded buffers
+    5. re-runs a generation the server ended with ``finish_reason`` "abort" (a server paused
+       for a weight update, vLLM's and atropos-serve's ``POST /pause``): up to
+       ``abort_retries`` times, counted in ``aborted_generations``; the request then waits in
+       the server's queue until it resumes, so environments only ever see whole samples, all
+       drawn from the weights that were live when they ran,
+    6. records the request time and attempt count in bounded buffers
        (``rolling_buffer_length`` entries) reported by ``wandb_metrics``.
 
     Subclasses implement ``_chat_completion_wrapper``, ``_completion_wrapper``,
@@ -310,6 +325,8 @@ class APIServer(ABC):
     provides_token_logprobs: ClassVar[bool] = True
     #: Attempts per request (the first try included).
     retry_attempts: ClassVar[int] = 3
+    #: Re-runs of a generation the server aborted (a pause for a weight update).
+    abort_retries: ClassVar[int] = 20
 
     def __init__(
         self, config: APIServerConfig, reasoning_config: ReasoningConfig | None = None
@@ -326,6 +343,7 @@ class APIServer(ABC):
         self.eval_attempts_list: collections.deque[int] = collections.deque(maxlen=maxlen)
         self.check_task: asyncio.Task | None = None
         self.initialized = False
+        self.aborted_generations = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -483,6 +501,21 @@ class APIServer(ABC):
     # ------------------------------------------------------------------ request plumbing
 
     async def _run(self, wrapper: Any, split: str, kwargs: dict[str, Any]) -> Any:
+        """One backend call; a generation the server aborted is run again (see the class
+        docstring)."""
+        for _ in range(self.abort_retries):
+            result = await self._run_once(wrapper, split, kwargs)
+            if not _was_aborted(result):
+                return result
+            self.aborted_generations += 1
+            logger.debug("the server aborted a generation (paused?); running it again")
+        logger.warning(
+            "the server aborted the same generation %d times; returning its partial result",
+            self.abort_retries + 1,
+        )
+        return await self._run_once(wrapper, split, kwargs)
+
+    async def _run_once(self, wrapper: Any, split: str, kwargs: dict[str, Any]) -> Any:
         """Health wait, semaphore, retries and bookkeeping around one backend call."""
         is_train = split == "train"
         sem = self.sem if is_train else self.eval_sem

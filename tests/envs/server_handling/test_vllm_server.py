@@ -115,3 +115,38 @@ async def test_sglang_generate_shape(tiny_config: APIServerConfig) -> None:
             "return_text_in_logprobs": False,
         }
     ]
+
+
+async def test_generation_aborted_by_a_pause_is_run_again(tiny_config: APIServerConfig) -> None:
+    """A server paused with ``mode=abort`` (for a weight update) ends running generations
+    early; the client runs them again once the server resumes, so the env only sees whole
+    samples."""
+    import asyncio
+
+    import httpx
+
+    base = tiny_config.base_url.removesuffix("/v1")
+    server = VLLMServer(tiny_config)
+    try:
+        call = asyncio.create_task(
+            server.tokens_and_logprobs_completion(
+                prompt="Count: one, two,", n=2, max_tokens=300, temperature=1.0, ignore_eos=True
+            )
+        )
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.sleep(0.4)
+            assert (await client.post(base + "/pause", params={"mode": "abort"})).status_code == 200
+            await asyncio.sleep(1.0)
+            assert not call.done()  # the re-run waits in the paused server's queue
+            await client.post(base + "/resume")
+        _, outputs, logprobs, reasons = await call
+        assert reasons == ["length", "length"]
+        assert [len(o) for o in outputs] == [300, 300] and [len(lp) for lp in logprobs] == [
+            300,
+            300,
+        ]
+        assert server.aborted_generations == 1
+    finally:
+        await server.close()
+        async with httpx.AsyncClient(timeout=30) as client:
+            await client.post(base + "/resume")
