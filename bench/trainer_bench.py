@@ -137,6 +137,8 @@ def main() -> None:
             child.stop()
 
     # The first step includes allocator warm-up; report the median over the rest when possible.
+    # Batches with no learning signal take no optimizer step and carry no speed.
+    metrics = [m for m in metrics if "tokens_per_s" in m] or metrics
     steady = metrics[1:] or metrics
     summary = {
         "model": args.model,
@@ -145,7 +147,9 @@ def main() -> None:
         "tokens_per_sequence": args.tokens,
         "steps": args.steps,
         "cpu_count": os.cpu_count(),
-        "trainer_tokens_per_s": round(statistics.median(m["tokens_per_s"] for m in steady), 1),
+        "trainer_tokens_per_s": round(
+            statistics.median(m.get("tokens_per_s", 0.0) for m in steady), 1
+        ),
         "train_seconds_per_step": round(statistics.median(m["train_seconds"] for m in steady), 2),
         "save_seconds_per_step": round(statistics.median(m["save_seconds"] for m in steady), 2),
         "reload_seconds_per_step": round(statistics.median(m["reload_seconds"] for m in steady), 2),

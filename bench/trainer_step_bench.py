@@ -54,19 +54,17 @@ def _gsm8k_messages(rng):
     from environments.gsm8k_server import BUNDLED_GSM8K, load_rows
 
     rows = load_rows(BUNDLED_GSM8K, "test")
-    system = "Solve the problem step by step. End with the final answer as \\boxed{N}."
-    return [
-        {"role": "system", "content": system},
-        {"role": "user", "content": rng.choice(rows)["question"]},
-    ]
+    # the gsm8k-format recipe's prompt: no system turn, a format instruction after the question
+    suffix = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
+    return [{"role": "user", "content": rng.choice(rows)["question"] + suffix}]
 
 
 TASKS = {
     # (chat maker, reply token range): the arithmetic-learn recipe's prompt (system prompt,
-    # three worked examples, the question) and bare-integer replies; GSM8K questions with
-    # worked-solution-length replies
+    # three worked examples, the question) and bare-integer replies; the gsm8k-format
+    # recipe's questions with replies up to its 128-token budget
     "arithmetic": (_arithmetic_messages, (1, 4)),
-    "gsm8k": (_gsm8k_messages, (60, 256)),
+    "gsm8k": (_gsm8k_messages, (40, 128)),
 }
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,26 @@ def load_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
     return rows
 
 
+_CALCULATOR = re.compile(r"<<[^>]*>>")
+
+
+def worked_solution(answer: str) -> str:
+    """A GSM8K reference solution as a model should write it: the steps without the
+    dataset's ``<<48/2=24>>`` calculator notes, then ``The answer is \\boxed{N}.``"""
+    steps, _, final = answer.rpartition("####")
+    steps = _CALCULATOR.sub("", steps).strip()
+    return f"{steps}\nThe answer is \\boxed{{{final.strip()}}}."
+
+
+def few_shot_examples(rows: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The ``count`` rows with the shortest solutions (ties: dataset order), for worked
+    examples: short ones teach a short answer and cost the fewest prompt tokens."""
+    if count <= 0:
+        return []
+    ranked = sorted(range(len(rows)), key=lambda i: (len(rows[i]["answer"]), i))
+    return [rows[i] for i in ranked[:count]]
+
+
 def token_server_config(**overrides: Any) -> list[APIServerConfig]:
     """The default server: the embedded atropos-serve on localhost:9001 (SmolLM2)."""
     config = {
@@ -197,7 +218,14 @@ class GSM8kEnvConfig(BaseEnvConfig):
     length_penalty: bool = Field(
         default=True, description="Penalise long answers when the whole group is correct"
     )
-    system_prompt: str = Field(default=SYSTEM_PROMPT, description="System prompt")
+    system_prompt: str = Field(
+        default=SYSTEM_PROMPT, description="System prompt ('' sends no system message)"
+    )
+    prompt_suffix: str = Field(
+        default="",
+        description="Appended to every question in the user turn, e.g. a format instruction "
+        "('\\n\\nWrite the final answer as \\boxed{N}.')",
+    )
     max_answer_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -205,8 +233,15 @@ class GSM8kEnvConfig(BaseEnvConfig):
     )
     format_reward: float = Field(
         default=0.0,
-        description="Added to the score of a reply whose final answer is well formed (a "
-        "\\boxed{} answer math-verify can read), right or wrong",
+        description="Added to the score of a reply whose final answer is well formed (its last "
+        "\\boxed{} holds a number), right or wrong",
+    )
+    few_shot: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description="Worked examples shown before each question as earlier chat turns: the "
+        "shortest solutions of the train split, ending in \\boxed{N} (never asked themselves)",
     )
     seed: int = Field(default=42, description="Shuffle seed of the training set")
 
@@ -250,6 +285,10 @@ class GSM8kEnv(BaseEnv):
 
     async def setup(self) -> None:
         self.train = self.load_split("train")
+        # worked examples: the same for every seed, so evaluations stay comparable
+        self.examples = few_shot_examples(self.train, self.config.few_shot)
+        shown = {row["question"] for row in self.examples}
+        self.train = [row for row in self.train if row["question"] not in shown]
         random.Random(self.config.seed).shuffle(self.train)
         test = self.load_split("test")
         if self.config.max_eval_items >= 0:
@@ -279,11 +318,17 @@ class GSM8kEnv(BaseEnv):
         return self.config.max_answer_tokens or self.config.max_token_length
 
     def messages_for(self, question: str) -> list[dict[str, str]]:
-        """The chat sent to the model."""
-        return [
-            {"role": "system", "content": self.config.system_prompt},
-            {"role": "user", "content": question},
-        ]
+        """The chat sent to the model: system prompt, worked examples, the question (with
+        ``prompt_suffix``)."""
+        messages = []
+        if self.config.system_prompt:
+            messages.append({"role": "system", "content": self.config.system_prompt})
+        suffix = self.config.prompt_suffix
+        for row in getattr(self, "examples", []):
+            messages.append({"role": "user", "content": row["question"] + suffix})
+            messages.append({"role": "assistant", "content": worked_solution(row["answer"])})
+        messages.append({"role": "user", "content": question + suffix})
+        return messages
 
     def gold_for(self, item: dict[str, Any]) -> str:
         """The gold answer of a training row."""
@@ -326,7 +371,7 @@ class GSM8kEnv(BaseEnv):
             if sample.logprobs is not None:
                 group["inference_logprobs"].append(sample.logprobs)
             score = 1.0 if correct else -1.0
-            if parsed:
+            if math_scoring.boxed_number(sample.text) is not None:
                 score += self.config.format_reward
             group["scores"].append(score)
         if not group["tokens"]:
@@ -339,8 +384,8 @@ class GSM8kEnv(BaseEnv):
             group["scores"] = length_penalty_scores(
                 [len(t) for t in group["tokens"]], self.config.max_token_length
             )
-        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
-            return None
+        # a group whose scores are all equal is dropped (and counted) by BaseEnv when
+        # ensure_scores_are_not_same is on
         if len(group["tokens"]) != self.config.group_size:
             group["group_overrides"] = {"group_size": len(group["tokens"])}
         # the trainer scales its logits by the temperature the samples were drawn at
@@ -362,6 +407,7 @@ class GSM8kEnv(BaseEnv):
             "question": question,
             "gold_answer": gold,
             "model_parsed": str(parsed) if parsed else None,
+            "boxed_number": math_scoring.boxed_number(text),
             "score": int(correct),
             "correct": correct,
             "finish_reason": finish,
@@ -376,7 +422,8 @@ class GSM8kEnv(BaseEnv):
         metrics = {
             "eval/percent_correct": sum(s["score"] for s in samples) / max(1, len(samples)),
             "eval/num_items": float(len(samples)),
-            "eval/percent_boxed": sum(s["model_parsed"] is not None for s in samples)
+            # well-formed final answers: a number in the last \boxed{} (\boxed{N} is not one)
+            "eval/percent_boxed": sum(s["boxed_number"] is not None for s in samples)
             / max(1, len(samples)),
         }
         self.eval_metrics.extend(metrics.items())

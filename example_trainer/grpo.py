@@ -361,7 +361,12 @@ def train(
                     "computed_tokens": batch.computed_tokens,
                     "skipped_sequences": batch.skipped_sequences,
                     "flat_group_fraction": batch.flat_groups / max(len(batch.group_scores), 1),
-                    "tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9),
+                    # a batch with nothing to train is no measure of speed
+                    **(
+                        {"tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9)}
+                        if batch.micro_batches
+                        else {}
+                    ),
                     "train_seconds": train_seconds,
                     "batch_wait_seconds": started - waited,
                     "sync_seconds": save_seconds + reload_seconds,

@@ -74,7 +74,12 @@ class TrainingLogger:
             handle.write(json.dumps(record) + "\n")
         line = (
             f"step {step}  loss {metrics['loss']:+.4f}  reward {metrics['reward_mean']:+.3f}  "
-            f"{metrics['tokens_per_s']:.0f} tok/s  sync {metrics['sync_seconds']:.2f} s"
+            + (
+                f"{metrics['tokens_per_s']:.0f} tok/s"
+                if "tokens_per_s" in metrics
+                else "no optimizer step"
+            )
+            + f"  sync {metrics['sync_seconds']:.2f} s"
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=line)

@@ -198,12 +198,26 @@ def plot_training_curves(
     if evals:
         ex = [r["step"] for r in evals]
         ey = [100 * float(r[eval_key]) for r in evals]
-        ax_eval.plot(ex, ey, marker="o", color="#d94801", lw=2)
+        ax_eval.plot(ex, ey, marker="o", color="#d94801", lw=2, zorder=3,
+                     label=eval_key.removeprefix(EVAL_PREFIX))  # fmt: skip
         for x, y in zip(ex, ey, strict=True):
             ax_eval.annotate(f"{y:.0f}%", (x, y), textcoords="offset points", xytext=(0, 6),
                              ha="center", fontsize=8)  # fmt: skip
-        ax_eval.set_ylim(0, max(100, max(ey) + 10))
-    ax_eval.set_title(f"held-out {eval_key.removeprefix(EVAL_PREFIX)} (%, greedy)")
+        top = max(ey)
+        # the env's other held-out rates (e.g. percent_boxed), thinner
+        others = sorted({k for r in evals for k in r if k.startswith(EVAL_PREFIX)} - {eval_key})
+        for key in others:
+            points = [(r["step"], float(r[key])) for r in evals if key in r]
+            if not points or not all(_is_rate(key, v) for _, v in points):
+                continue
+            oy = [100 * v for _, v in points]
+            ax_eval.plot([p[0] for p in points], oy, marker=".", lw=1, ls="--", zorder=2,
+                         label=key.removeprefix(EVAL_PREFIX))  # fmt: skip
+            top = max(top, *oy)
+        if len(ax_eval.get_lines()) > 1:
+            ax_eval.legend(loc="best", fontsize=7)
+        ax_eval.set_ylim(0, max(100, top + 10))
+    ax_eval.set_title("held-out evaluation (%, greedy)")
 
     xs, loss = series("loss")
     ax_loss.plot(xs, loss, color="#6a51a3", lw=1)

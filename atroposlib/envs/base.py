@@ -218,6 +218,7 @@ class BaseEnv(ABC):
         #: Why work was dropped: reason -> count (``error``, ``timeout``, ``group_size``,
         #: ``same_scores``, ``too_long``, ``malformed``, ``send_failed``, ``refused``).
         self.drop_counts: Counter[str] = Counter()
+        self._flat_report = (time.monotonic(), 0)  # when flat groups were last reported, count
         #: Rollouts retried after an error or a timeout.
         self.retried_rollouts = 0
         self.groups_sent = 0
@@ -808,6 +809,7 @@ class BaseEnv(ABC):
         scores = group["scores"]
         if self.config.ensure_scores_are_not_same and len(scores) > 1 and len(set(scores)) == 1:
             logger.debug("Dropping a group whose scores are all %s", scores[0])
+            self._report_flat_groups()
             return "same_scores"
         for mask in group["masks"]:
             self.completion_lengths.append(sum(1 for m in mask if m != -100))
@@ -821,6 +823,21 @@ class BaseEnv(ABC):
                 )
                 return "too_long"
         return None
+
+    def _report_flat_groups(self, every: float = 30.0) -> None:
+        """At most every ``every`` seconds, say how many groups were dropped for scoring
+        alike: while most are, a trainer waits long for each batch and this is why."""
+        since, reported = self._flat_report
+        now, total = time.monotonic(), self.drop_counts["same_scores"] + 1
+        if now - since >= every:
+            logger.info(
+                "%d group(s) dropped in the last %.0f s: all replies scored alike, no learning "
+                "signal (ensure_scores_are_not_same); %d sent so far",
+                total - reported,
+                now - since,
+                self.groups_sent,
+            )
+            self._flat_report = (now, total)
 
     def _log_send_failure(self, exc: BaseException, n_groups: int) -> None:
         if isinstance(exc, ApiRefused):

@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 __all__ = [
+    "boxed_number",
     "extract_boxed",
     "extract_final_answer",
     "extract_last_number",
@@ -61,6 +62,30 @@ def extract_boxed(text: str) -> str | None:
         if depth == 0:
             best = text[match.end() : i - 1].strip()
     return best
+
+
+_BOXED_NOISE = re.compile(r"\\text\{([^{}]*)\}|\\[$%,!;: ]|[$%\s]")
+_PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def boxed_number(text: str) -> str | None:
+    """The number in the reply's last ``\\boxed{}`` (after ``</think>``), normalised; None when
+    there is no box or it holds anything but a number (``\\boxed{N}``, ``\\boxed{x+1}``).
+
+    Dollar and percent signs, LaTeX spaces and ``\\text{}`` units are ignored:
+    ``\\boxed{\\$1,250}`` gives ``"1250"``, ``\\boxed{12 \\text{ eggs}}`` gives ``"12"``.
+    """
+    content = extract_boxed(strip_think(text))
+    if content is None:
+        return None
+    # \text{18} keeps its number; \text{ dollars} (a unit) goes
+    cleaned = _BOXED_NOISE.sub(
+        lambda m: m.group(1) if m.group(1) and any(c.isdigit() for c in m.group(1)) else "",
+        content,
+    )
+    if not _PLAIN_NUMBER.fullmatch(cleaned):
+        return None
+    return normalize_number(cleaned)
 
 
 def normalize_number(text: str) -> str:

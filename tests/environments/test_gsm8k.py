@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,18 @@ def test_scores_correct_wrong_and_malformed_answers(gsm8k_env) -> None:
     assert len(group["tokens"]) == len(group["masks"]) == len(group["inference_logprobs"]) == 4
 
 
+def test_format_reward_needs_a_number_in_the_box(gsm8k_env) -> None:
+    gsm8k_env.config.format_reward = 1.0
+    samples = [
+        fake_sample("So \\boxed{18}."),  # right and well formed
+        fake_sample("So \\boxed{17}."),  # wrong, well formed
+        fake_sample("Write it as \\boxed{N}."),  # the placeholder: no credit for the form
+        fake_sample("The answer is 18."),
+    ]
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [2.0, 0.0, -1.0, -1.0]
+
+
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
     samples = [fake_sample("\\boxed{18}", n) for n in (10, 60, 80, 95)]
     group = gsm8k_env.score_samples(samples, "18")
@@ -112,14 +126,21 @@ def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
     assert group["scores"] == pytest.approx([1.0, 0.7, 0.3, 0.0])
 
 
-def test_short_completions_are_dropped_and_equal_groups_follow_the_flag(gsm8k_env) -> None:
+def test_short_completions_are_dropped_and_equal_groups_follow_the_flag(
+    gsm8k_env, caplog: pytest.LogCaptureFixture
+) -> None:
     samples = [fake_sample("\\boxed{1}", 3), fake_sample("\\boxed{2}"), fake_sample("\\boxed{3}")]
     gsm8k_env.config.ensure_scores_are_not_same = False
     group = gsm8k_env.score_samples(samples, "18")
     assert group["scores"] == [-1.0, -1.0]
     assert group["group_overrides"] == {"group_size": 2}
+    assert gsm8k_env._check_group(group, False) is None  # sent as it is
     gsm8k_env.config.ensure_scores_are_not_same = True
-    assert gsm8k_env.score_samples(samples, "18") is None
+    group = gsm8k_env.score_samples(samples, "18")
+    gsm8k_env._flat_report = (time.monotonic() - 60, 0)  # last reported a minute ago
+    with caplog.at_level(logging.INFO, logger="atroposlib.envs.base"):
+        assert gsm8k_env._check_group(group, False) == "same_scores"  # dropped and counted
+    assert "scored alike, no learning signal" in caplog.text  # the reason a trainer waits
 
 
 def test_unparseable_gold_gives_no_group(gsm8k_env) -> None:
@@ -144,6 +165,31 @@ async def test_setup_reads_the_bundled_copy_by_default(gsm8k_env) -> None:
     assert gsm8k_env.test[0]["gold_answer"] == "18"  # Janet's ducks
     item = await gsm8k_env.get_next_item()
     assert set(item) >= {"question", "answer"}
+
+
+async def test_format_instruction_and_worked_examples(gsm8k_env) -> None:
+    gsm8k_env.config.system_prompt = ""
+    gsm8k_env.config.prompt_suffix = "\n\nWrite the final answer as \\boxed{N}."
+    gsm8k_env.config.few_shot = 2
+    gsm8k_env.config.max_eval_items = 5
+    await gsm8k_env.setup()
+    messages = gsm8k_env.messages_for("How many?")
+    # no system turn; two worked examples as earlier turns, then the question
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2 + ["user"]
+    assert messages[-1]["content"] == "How many?\n\nWrite the final answer as \\boxed{N}."
+    for example in messages[1:4:2]:
+        assert example["content"].endswith("}.") and "\\boxed{" in example["content"]
+        assert "<<" not in example["content"]  # the dataset's calculator notes are gone
+    shown = {m["content"].removesuffix(gsm8k_env.config.prompt_suffix) for m in messages[0:4:2]}
+    assert not shown & {row["question"] for row in gsm8k_env.train}  # never asked in training
+    assert len(gsm8k_env.train) == len(load_rows(GSM8K, "train")) - 2
+    # the worked answers are graded like replies: their box holds the gold answer
+    for example, asked in zip(messages[1:4:2], gsm8k_env.examples, strict=True):
+        group = gsm8k_env.score_samples(
+            [fake_sample(example["content"]), fake_sample("no answer")],
+            gsm8k_env.gold_for(asked),
+        )
+        assert group["scores"] == [1.0, -1.0]
 
 
 @pytest.mark.slow

@@ -23,6 +23,28 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
     assert m.extract_boxed(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so she has \\boxed{18} eggs", "18"),
+        ("\\boxed{\\$1,250}", "1250"),
+        ("\\boxed{12 \\text{ eggs}}", "12"),
+        ("\\boxed{-3.50}", "-3.5"),
+        ("\\boxed{50\\%}", "50"),
+        ("\\boxed{\\text{18}}", "18"),
+        ("<think>\\boxed{3}</think> then \\boxed{4}", "4"),
+        ("\\boxed{N}", None),  # the instruction's placeholder is no answer
+        ("\\boxed{x + 1}", None),
+        ("\\boxed{1,2}", None),
+        ("\\boxed{}", None),
+        ("\\boxed{18", None),  # cut off by the token budget
+        ("the answer is 18", None),
+    ],
+)
+def test_boxed_number(text: str, expected: str | None) -> None:
+    assert m.boxed_number(text) == expected
+
+
 def test_gsm8k_gold_answer_and_missing_marker() -> None:
     assert m.gsm8k_gold_answer("She makes 9 * 2 = $18.\n#### 1,018") == "1018"
     with pytest.raises(ValueError, match="####"):
