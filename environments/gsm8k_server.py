@@ -236,6 +236,17 @@ class GSM8kEnvConfig(BaseEnvConfig):
         description="Added to the score of a reply whose final answer is well formed (its last "
         "\\boxed{} holds a number), right or wrong",
     )
+    box_reward: float = Field(
+        default=0.0,
+        description="Added to the score of a reply with a complete \\boxed{...} of any content "
+        "(a first step toward format_reward's number in the box)",
+    )
+    format_min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="format_reward and box_reward only for replies of at least this many "
+        "tokens: a bare \\boxed{} guess without the working earns no format credit",
+    )
     few_shot: int = Field(
         default=0,
         ge=0,
@@ -371,14 +382,17 @@ class GSM8kEnv(BaseEnv):
             if sample.logprobs is not None:
                 group["inference_logprobs"].append(sample.logprobs)
             score = 1.0 if correct else -1.0
-            if math_scoring.boxed_number(sample.text) is not None:
-                score += self.config.format_reward
+            if sample.trainable_tokens >= self.config.format_min_tokens:
+                if math_scoring.boxed_number(sample.text) is not None:
+                    score += self.config.format_reward
+                if math_scoring.extract_boxed(math_scoring.strip_think(sample.text)) is not None:
+                    score += self.config.box_reward
             group["scores"].append(score)
         if not group["tokens"]:
             return None
         if len(group["inference_logprobs"]) != len(group["tokens"]):
             del group["inference_logprobs"]
-        best = 1.0 + self.config.format_reward
+        best = 1.0 + self.config.format_reward + self.config.box_reward
         self.percent_correct_buffer.extend(1.0 if s == best else 0.0 for s in group["scores"])
         if self.config.length_penalty and all(s == best for s in group["scores"]):
             group["scores"] = length_penalty_scores(

@@ -116,6 +116,13 @@ def test_format_reward_needs_a_number_in_the_box(gsm8k_env) -> None:
     ]
     group = gsm8k_env.score_samples(samples, "18")
     assert group["scores"] == [2.0, 0.0, -1.0, -1.0]
+    gsm8k_env.config.box_reward = 0.5  # any complete box: a smaller step on the way
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [2.5, 0.5, -0.5, -1.0]
+    gsm8k_env.config.format_min_tokens = 15  # a bare boxed guess earns no format credit
+    samples.append(fake_sample("\\boxed{17}", n_tokens=12))
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [2.5, 0.5, -0.5, -1.0, -1.0]
 
 
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
