@@ -29,7 +29,6 @@ with ``openai`` the chat is re-tokenized locally and ``inference_logprobs`` are 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import re
 import time
@@ -43,6 +42,7 @@ from atroposlib.envs.base import (
     BaseEnvConfig,
     ScoredDataGroup,
 )
+from atroposlib.utils.concurrency import gather_bounded
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 SYSTEM_PROMPT = "You are a calculator. Reply with only the final integer answer."
@@ -337,7 +337,9 @@ class ArithmeticEnv(BaseEnv):
         ``eval/mean_reply_chars``.
         """
         start = time.time()
-        samples = await asyncio.gather(*(self._ask(p) for p in self.eval_problems))
+        samples = await gather_bounded(
+            [self._ask(p) for p in self.eval_problems], len(self.eval_problems), desc="eval"
+        )
         n = len(samples)
         metrics = {
             "eval/percent_correct": sum(s["correct"] for s in samples) / n,

@@ -23,7 +23,6 @@ file used for both), rows ``{"question", "answer": "... #### N"}``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -37,6 +36,7 @@ from pydantic import Field
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from atroposlib.scoring import math as math_scoring
 from atroposlib.scoring.rewards import length_penalty_scores
+from atroposlib.utils.concurrency import gather_bounded
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 BUNDLED_GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"
@@ -126,17 +126,6 @@ async def eval_completion(
     )
     choice = reply.choices[0]
     return choice.message.content or "", choice.finish_reason or ""
-
-
-async def gather_bounded(coros: list, limit: int) -> list:
-    """``asyncio.gather`` with at most ``limit`` coroutines running at once."""
-    semaphore = asyncio.Semaphore(max(1, limit))
-
-    async def run(coro):
-        async with semaphore:
-            return await coro
-
-    return await asyncio.gather(*(run(c) for c in coros))
 
 
 def load_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
@@ -233,13 +222,13 @@ class GSM8kEnvConfig(BaseEnvConfig):
     )
     format_reward: float = Field(
         default=0.0,
-        description="Added to the score of a reply whose final answer is well formed (its last "
-        "\\boxed{} holds a number), right or wrong",
+        description="Added to the score of a reply whose final answer is well formed, right or "
+        "wrong: it ended within the budget with exactly one \\boxed{}, holding a number",
     )
     box_reward: float = Field(
         default=0.0,
-        description="Added to the score of a reply with a complete \\boxed{...} of any content "
-        "(a first step toward format_reward's number in the box)",
+        description="Added to the score of a reply that ended within the budget with a complete "
+        "\\boxed{...} of any content (a first step toward format_reward's well-formed answer)",
     )
     format_min_tokens: int = Field(
         default=0,
@@ -382,8 +371,9 @@ class GSM8kEnv(BaseEnv):
             if sample.logprobs is not None:
                 group["inference_logprobs"].append(sample.logprobs)
             score = 1.0 if correct else -1.0
-            if sample.trainable_tokens >= self.config.format_min_tokens:
-                if math_scoring.boxed_number(sample.text) is not None:
+            finished = sample.finish_reason != "length"
+            if finished and sample.trainable_tokens >= self.config.format_min_tokens:
+                if math_scoring.final_boxed_number(sample.text, sample.finish_reason) is not None:
                     score += self.config.format_reward
                 if math_scoring.extract_boxed(math_scoring.strip_think(sample.text)) is not None:
                     score += self.config.box_reward
@@ -421,7 +411,7 @@ class GSM8kEnv(BaseEnv):
             "question": question,
             "gold_answer": gold,
             "model_parsed": str(parsed) if parsed else None,
-            "boxed_number": math_scoring.boxed_number(text),
+            "boxed_number": math_scoring.final_boxed_number(text, finish),
             "score": int(correct),
             "correct": correct,
             "finish_reason": finish,
@@ -432,12 +422,16 @@ class GSM8kEnv(BaseEnv):
         samples = await gather_bounded(
             [self.rollout_and_score_eval(t["question"], t["gold_answer"]) for t in self.test],
             self.config.max_eval_workers,
+            desc="eval",
         )
         metrics = {
             "eval/percent_correct": sum(s["score"] for s in samples) / max(1, len(samples)),
             "eval/num_items": float(len(samples)),
-            # well-formed final answers: a number in the last \boxed{} (\boxed{N} is not one)
+            # well-formed final answers: the reply ended within the budget with exactly one
+            # \boxed{} and a number in it (\boxed{N} or a box repeated until cut off is not one)
             "eval/percent_boxed": sum(s["boxed_number"] is not None for s in samples)
+            / max(1, len(samples)),
+            "eval/percent_finished": sum(s["finish_reason"] != "length" for s in samples)
             / max(1, len(samples)),
         }
         self.eval_metrics.extend(metrics.items())

@@ -209,7 +209,7 @@ class MMLUEnv(BaseEnv):
     async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         start = time.time()
         samples = await gather_bounded(
-            [self._eval_one(row) for row in self.test], self.config.max_eval_workers
+            [self._eval_one(row) for row in self.test], self.config.max_eval_workers, desc="eval"
         )
         n = max(1, len(samples))
         metrics = {

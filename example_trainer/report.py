@@ -12,7 +12,9 @@ the training curves.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 EVAL_PREFIX = "eval/"
+
+logger = logging.getLogger("atropos-quickstart")
+
+_BAR = re.compile(r"(\d+)/(\d+) \[([0-9:]+)<([0-9:?]+)")
 
 
 class EvaluationError(RuntimeError):
@@ -38,11 +44,14 @@ def run_env_evaluate(
     server_type: str | None = None,
     timeout: float = 1800.0,
     cwd: Path | None = None,
+    progress_every: float = 30.0,
 ) -> dict[str, float]:
     """Run ``python ENV_FILE evaluate`` into ``out_dir``; returns its numeric metrics.
 
     ``env_args`` are ``--env.*`` / ``--openai.*`` flags as a flat argv list (e.g. the
     settings that pick the task, so the held-out split is the one training left out).
+    Every ``progress_every`` seconds (0: never) it logs how far the evaluation is (the env's
+    progress bar in ``evaluate.log``: items done, elapsed and remaining time).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [
@@ -64,16 +73,36 @@ def run_env_evaluate(
     ]
     log = out_dir / "evaluate.log"
     started = time.monotonic()
+    last_report = started
     with open(log, "wb") as handle:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             command,
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            timeout=timeout,
             cwd=cwd,
             env=_child_env(),
         )
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - started > timeout:
+                    raise EvaluationError(
+                        f"{env_file.name} evaluate still running after {timeout:.0f} s (log: {log})"
+                    )
+                if progress_every and now - last_report >= progress_every:
+                    last_report = now
+                    logger.info(
+                        "held-out evaluation: %s (%.0f s so far; log: %s)",
+                        eval_progress(log) or "starting",
+                        now - started,
+                        log,
+                    )
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise EvaluationError(f"{env_file.name} evaluate exited with {proc.returncode}:\n{tail}")
@@ -83,6 +112,26 @@ def run_env_evaluate(
     metrics = read_eval_metrics(metrics_file)
     metrics["eval_seconds"] = time.monotonic() - started
     return metrics
+
+
+def eval_progress(log: Path) -> str | None:
+    """The latest ``done/total`` of an evaluation's progress bar in ``log``, with times, or None.
+
+    A bar such as ``eval:  60%|######    | 120/200 [01:40<01:07,  1.19item/s]`` reads
+    ``120/200 items, 01:40 elapsed, ~01:07 left``.
+    """
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(0, 2)
+            handle.seek(max(0, handle.tell() - 4096))
+            tail = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    matches = _BAR.findall(tail)
+    if not matches:
+        return None
+    done, total, elapsed, remaining = matches[-1]
+    return f"{done}/{total} items, {elapsed} elapsed, ~{remaining} left"
 
 
 def _child_env() -> dict[str, str]:

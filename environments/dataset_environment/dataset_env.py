@@ -488,7 +488,9 @@ class DatasetEnv(BaseEnv):
             return {}
         start = time.time()
         samples = await gather_bounded(
-            [self.rollout_and_score_eval(row) for row in self.test], self.config.max_eval_workers
+            [self.rollout_and_score_eval(row) for row in self.test],
+            self.config.max_eval_workers,
+            desc="eval",
         )
         n = max(1, len(samples))
         metrics = {

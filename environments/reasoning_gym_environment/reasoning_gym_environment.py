@@ -353,6 +353,7 @@ class ReasoningGymEnv(BaseEnv):
         samples = await gather_bounded(
             [self.rollout_and_score_eval(entry, ds) for entry, ds in self.test],
             self.config.max_eval_workers,
+            desc="eval",
         )
         n = max(1, len(samples))
         metrics = {

@@ -399,6 +399,7 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
         result = json.loads((out / f"eval_{label}.json").read_text())["results"]["all"]
         assert 0.0 <= result["eval/percent_correct"] <= 1.0
         assert len((out / "evals" / label / "samples.jsonl").read_text().splitlines()) == 20
+        assert "20/20" in (out / "evals" / label / "evaluate.log").read_text()  # progress bar
     assert (out / "evals" / "step_1" / "metrics.json").is_file()
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out (greedy)" in output and "eval/percent_correct" in output  # the table

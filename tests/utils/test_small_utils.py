@@ -152,3 +152,39 @@ def test_pin_mmap_threshold_applies_on_glibc_and_respects_the_users_choice(monke
     assert pin_mmap_threshold() is on_glibc
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     assert pin_mmap_threshold() is False
+
+
+def test_gather_bounded_keeps_order_limits_concurrency_and_shows_progress(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from atroposlib.utils.concurrency import gather_bounded
+
+    running = peak = 0
+
+    async def work(i: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.01 * (5 - i % 5))
+        running -= 1
+        return i * i
+
+    results = asyncio.run(gather_bounded([work(i) for i in range(12)], 3, desc="eval"))
+    assert results == [i * i for i in range(12)]
+    assert peak == 3
+    err = capsys.readouterr().err
+    assert "eval" in err and "12/12" in err
+
+
+def test_eval_progress_reads_the_latest_bar(tmp_path) -> None:
+    from example_trainer.report import eval_progress
+
+    log = tmp_path / "evaluate.log"
+    assert eval_progress(log) is None  # no file yet
+    log.write_text("INFO starting\r")
+    assert eval_progress(log) is None  # no bar yet
+    log.write_text(
+        "eval:   0%|          | 0/200 [00:00<?, ?item/s]\r"
+        "eval:  60%|######    | 120/200 [01:40<01:07,  1.19item/s]"
+    )
+    assert eval_progress(log) == "120/200 items, 01:40 elapsed, ~01:07 left"
