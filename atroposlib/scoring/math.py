@@ -21,6 +21,8 @@ from typing import Any
 
 __all__ = [
     "boxed_number",
+    "count_boxes",
+    "final_boxed_number",
     "extract_boxed",
     "extract_final_answer",
     "extract_last_number",
@@ -86,6 +88,24 @@ def boxed_number(text: str) -> str | None:
     if not _PLAIN_NUMBER.fullmatch(cleaned):
         return None
     return normalize_number(cleaned)
+
+
+def count_boxes(text: str) -> int:
+    """How many ``\\boxed{`` / ``\\fbox{`` openings the reply has after ``</think>``."""
+    return len(re.findall(r"\\(?:boxed|fbox)\s*\{", strip_think(text)))
+
+
+def final_boxed_number(text: str, finish_reason: str = "stop") -> str | None:
+    """The reply's final answer when it is well formed, else None.
+
+    Well formed: the reply ended on its own (``finish_reason`` is not ``"length"``: a reply cut
+    off by the token budget has no final answer), it has exactly one ``\\boxed{}`` and that box
+    holds a number (:func:`boxed_number`). A reply that repeats ``\\boxed{222} \\boxed{222} ...``
+    until the budget runs out, or boxes intermediate results, is not well formed.
+    """
+    if finish_reason == "length" or count_boxes(text) != 1:
+        return None
+    return boxed_number(text)
 
 
 def normalize_number(text: str) -> str:

@@ -30,11 +30,11 @@ def make_env(env_cls, tokenizer_dir: Path, **overrides):
     return env_cls(config, [server], testing=True)
 
 
-def fake_sample(text: str, n_tokens: int = 20) -> Sample:
+def fake_sample(text: str, n_tokens: int = 20, finish_reason: str = "stop") -> Sample:
     """A completion as the env sees it (token ids are placeholders; only counts matter)."""
     return Sample(
         text=text,
-        finish_reason="stop",
+        finish_reason=finish_reason,
         tokens=list(range(5 + n_tokens)),
         masks=[-100] * 5 + list(range(n_tokens)),
         logprobs=[1.0] * 5 + [-0.5] * n_tokens,
@@ -123,6 +123,22 @@ def test_format_reward_needs_a_number_in_the_box(gsm8k_env) -> None:
     samples.append(fake_sample("\\boxed{17}", n_tokens=12))
     group = gsm8k_env.score_samples(samples, "18")
     assert group["scores"] == [2.5, 0.5, -0.5, -1.0, -1.0]
+
+
+def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
+    """A run learned to repeat '\\boxed{222} \\boxed{222} ...' until the budget cut it off."""
+    gsm8k_env.config.format_reward = 1.0
+    gsm8k_env.config.box_reward = 0.5
+    samples = [
+        fake_sample("Half of 36 is \\boxed{18}."),  # ended on its own, one box: full credit
+        fake_sample("So \\boxed{222} \\boxed{222} \\boxed{222}", finish_reason="length"),
+        fake_sample("Half of 36 is \\boxed{18}.", finish_reason="length"),  # cut off
+        fake_sample("First \\boxed{36}, then \\boxed{18}."),  # finished, two boxes
+    ]
+    group = gsm8k_env.score_samples(samples, "18")
+    # a right answer counts (+1) however the reply ends, the format credit only for a finished
+    # one; two boxes parse as the set {36, 18}, which is not the answer: only the box step
+    assert group["scores"] == [2.5, -1.0, 1.0, -0.5]
 
 
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:

@@ -45,6 +45,22 @@ def test_boxed_number(text: str, expected: str | None) -> None:
     assert m.boxed_number(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "finish_reason", "expected"),
+    [
+        ("so she has \\boxed{18} eggs", "stop", "18"),
+        ("so she has \\boxed{18} eggs", "length", None),  # cut off: no final answer
+        ("\\boxed{222} \\boxed{222} \\boxed{222}", "stop", None),  # repeated boxes
+        ("first \\boxed{36}, then \\boxed{18}", "stop", None),  # one final box only
+        ("<think>\\boxed{3}</think> so \\boxed{4}", "stop", "4"),  # thinking is not counted
+        ("\\boxed{N}", "stop", None),
+    ],
+)
+def test_final_boxed_number(text: str, finish_reason: str, expected: str | None) -> None:
+    assert m.final_boxed_number(text, finish_reason) == expected
+    assert m.count_boxes("a \\boxed{1} b \\fbox{2}") == 2
+
+
 def test_gsm8k_gold_answer_and_missing_marker() -> None:
     assert m.gsm8k_gold_answer("She makes 9 * 2 = $18.\n#### 1,018") == "1018"
     with pytest.raises(ValueError, match="####"):
