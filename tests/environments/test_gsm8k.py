@@ -137,8 +137,8 @@ def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
     ]
     group = gsm8k_env.score_samples(samples, "18")
     # a right answer counts (+1) however the reply ends, the format credit only for a finished
-    # one; two boxes parse as the set {36, 18}, which is not the answer: only the box step
-    assert group["scores"] == [2.5, -1.0, 1.0, -0.5]
+    # reply with one box; two boxes parse as the set {36, 18}, which is not the answer
+    assert group["scores"] == [2.5, -1.0, 1.0, -1.0]
 
 
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:

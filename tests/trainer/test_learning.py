@@ -21,7 +21,9 @@ import pytest
 
 TOKEN_ENV = Path(__file__).with_name("token_env.py")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
-STEPS = 10
+STEPS = 20
+LR = "1e-2"  # measured over 5 seeds: the share reaches ~1.0 by step 3-8 (it stays flat for
+# 10+ steps at 3e-3 on some seeds, which made a 10-step test fail on CI now and then)
 
 
 def _run(tmp_path: Path, model: Path, seed: int) -> list[dict]:
@@ -46,7 +48,7 @@ def _run(tmp_path: Path, model: Path, seed: int) -> list[dict]:
             "--micro-batch-size",
             "8",
             "--lr",
-            "3e-3",
+            LR,
             "--output",
             str(out),
             "--batch-timeout",
@@ -75,10 +77,13 @@ def test_training_raises_the_reward(tmp_path: Path, tiny_model_dir: Path, seed: 
     steps = _run(tmp_path, tiny_model_dir, seed)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     rewards = [r["reward_mean"] for r in steps]
-    first, last = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
+    # steps 1-2 train on replies of the starting weights (the env runs at most one batch ahead)
+    first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-3:])
     # a random model puts ~1/8 of its reply tokens in the target set; training must raise it
+    # (a working trainer ends near 1.0; a flipped sign drives it toward 0, a masking bug
+    # leaves it at ~1/8)
     assert 0.05 < first < 0.3, rewards
-    assert last > first + 0.15, rewards
-    assert last > 1.5 * first, rewards
+    assert last > first + 0.3, rewards
+    assert last > 2 * first, rewards
     # every step trained on sampler log-probabilities, with the ratio near 1 at the start
     assert steps[0]["mean_ratio"] == pytest.approx(1.0, abs=0.05)
