@@ -228,8 +228,8 @@ class GSM8kEnvConfig(BaseEnvConfig):
     box_reward: float = Field(
         default=0.0,
         description="Added to the score of a reply that ended within the budget with exactly one "
-        "complete \\boxed{...} of any content (a first step toward format_reward's well-formed "
-        "answer)",
+        "complete \\boxed{...} holding a digit, number or not (a first step toward "
+        "format_reward's well-formed answer; \\boxed{N} copied from an instruction earns none)",
     )
     format_min_tokens: int = Field(
         default=0,
@@ -376,10 +376,11 @@ class GSM8kEnv(BaseEnv):
             if finished and sample.trainable_tokens >= self.config.format_min_tokens:
                 if math_scoring.final_boxed_number(sample.text, sample.finish_reason) is not None:
                     score += self.config.format_reward
+                box = math_scoring.extract_boxed(math_scoring.strip_think(sample.text))
                 if (
-                    math_scoring.count_boxes(sample.text) == 1
-                    and math_scoring.extract_boxed(math_scoring.strip_think(sample.text))
-                    is not None
+                    box is not None
+                    and math_scoring.count_boxes(sample.text) == 1
+                    and any(c.isdigit() for c in box)
                 ):
                     score += self.config.box_reward
             group["scores"].append(score)

@@ -25,7 +25,7 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "arithmetic-learn": Recipe(
         summary="SmolLM2-135M-Instruct learns to answer 'What is a +/- b?' (operands 0-20) with "
-        "the right integer; held-out accuracy before/after, ~25 min on 2 CPU cores",
+        "the right integer; held-out accuracy before/after, ~20-22 min on 2 CPU cores",
         flags={
             "env": "arithmetic",
             "steps": 80,
@@ -49,5 +49,35 @@ RECIPES: dict[str, Recipe] = {
             "env.max_batches_offpolicy=1",
         ],
         trainer_args=["checkpoint_interval=20", "pause_generation=true"],
+    ),
+    "gsm8k-format": Recipe(
+        summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "
+        "number (the bundled train split; 200 held-out test problems before/after), ~23 min on "
+        "2 CPU cores",
+        flags={
+            "env": "gsm8k",
+            "steps": 20,
+            "group_size": 16,
+            "batch_size": 32,
+            "micro_batch_size": 16,
+            "lr": 5e-5,
+            "seq_len": 384,
+            "eval": True,
+            "eval_every": 10,
+            "output": "runs/gsm8k-format",
+        },
+        env_args=[
+            "env.system_prompt=",
+            "env.prompt_suffix=\n\nSolve it step by step. Write the final answer as \\boxed{N}.",
+            "env.max_answer_tokens=128",
+            "env.max_eval_items=200",
+            "env.temperature=0.6",
+            "env.format_reward=1.0",
+            "env.box_reward=0.5",
+            "env.format_min_tokens=24",
+            "env.ensure_scores_are_not_same=true",
+            "env.max_batches_offpolicy=1",
+        ],
+        trainer_args=["checkpoint_interval=10", "pause_generation=true"],
     ),
 }

@@ -116,13 +116,16 @@ def test_format_reward_needs_a_number_in_the_box(gsm8k_env) -> None:
     ]
     group = gsm8k_env.score_samples(samples, "18")
     assert group["scores"] == [2.0, 0.0, -1.0, -1.0]
-    gsm8k_env.config.box_reward = 0.5  # any complete box: a smaller step on the way
+    # a box holding a digit: a smaller step on the way; the placeholder gets none of it (a run
+    # whose replies all ended in \\boxed{N} for a half point had no signal left to leave it)
+    gsm8k_env.config.box_reward = 0.5
+    samples.append(fake_sample("So \\boxed{17 eggs?}."))
     group = gsm8k_env.score_samples(samples, "18")
-    assert group["scores"] == [2.5, 0.5, -0.5, -1.0]
+    assert group["scores"] == [2.5, 0.5, -1.0, -1.0, -0.5]
     gsm8k_env.config.format_min_tokens = 15  # a bare boxed guess earns no format credit
     samples.append(fake_sample("\\boxed{17}", n_tokens=12))
     group = gsm8k_env.score_samples(samples, "18")
-    assert group["scores"] == [2.5, 0.5, -0.5, -1.0, -1.0]
+    assert group["scores"] == [2.5, 0.5, -1.0, -1.0, -0.5, -1.0]
 
 
 def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
