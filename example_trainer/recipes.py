@@ -52,7 +52,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "gsm8k-format": Recipe(
         summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "
-        "number (the bundled train split; 200 held-out test problems before/after), ~23 min on "
+        "number (the bundled train split; 200 held-out test problems before/after), ~27-29 min on "
         "2 CPU cores",
         flags={
             "env": "gsm8k",
