@@ -1,8 +1,10 @@
 """One GRPO optimizer step, timed in-process for several trainer layouts on identical batches.
 
 Batches are built the way an environment builds them: real chat prompts through the model's
-chat template (the arithmetic-learn recipe's few-shot prompt, or GSM8K test questions), ``--group-size`` replies per prompt with lengths drawn from ``--reply-tokens``
-(min,max), scores drawn so that ``--flat-fraction`` of the groups score alike. Every layout
+chat template (the arithmetic-learn recipe's few-shot prompt, or GSM8K test questions),
+``--group-size`` replies per prompt with lengths drawn from the task's range (1-4 tokens for
+arithmetic, 40-128 for GSM8K), scores drawn so that ``--flat-fraction`` of the groups score
+alike. Every layout
 trains the same batches; rounds alternate the layouts and the medians are printed, so the
 ratios hold even while the machine's speed drifts.
 
@@ -170,13 +172,17 @@ def main() -> None:
         return time.perf_counter() - started, batch.total_tokens, batch.computed_tokens
 
     for layout in args.layouts:  # warm-up: allocator, oneDNN primitives
-        run(layout, batches[0])
+        took, _, _ = run(layout, batches[0])
+        print(f"warm-up {layout}: {took:.1f} s", file=sys.stderr, flush=True)
     seconds: dict[str, list[float]] = {k: [] for k in args.layouts}
     tokens: dict[str, tuple[int, int]] = {}
     for r in range(args.rounds):
         order = args.layouts if r % 2 == 0 else list(reversed(args.layouts))
         for layout in order:
             took, total, computed = run(layout, batches[r + 1])
+            print(
+                f"round {r + 1}/{args.rounds} {layout}: {took:.1f} s", file=sys.stderr, flush=True
+            )
             seconds[layout].append(took)
             tokens.setdefault(layout, (0, 0))
             tokens[layout] = (tokens[layout][0] + total, tokens[layout][1] + computed)
