@@ -372,16 +372,12 @@ class GSM8kEnv(BaseEnv):
             if sample.logprobs is not None:
                 group["inference_logprobs"].append(sample.logprobs)
             score = 1.0 if correct else -1.0
-            finished = sample.finish_reason != "length"
-            if finished and sample.trainable_tokens >= self.config.format_min_tokens:
-                if math_scoring.final_boxed_number(sample.text, sample.finish_reason) is not None:
+            # format credit: a finished reply of enough tokens with exactly one box
+            box = math_scoring.final_box(sample.text, sample.finish_reason)
+            if box is not None and sample.trainable_tokens >= self.config.format_min_tokens:
+                if math_scoring.number_in_box(box) is not None:
                     score += self.config.format_reward
-                box = math_scoring.extract_boxed(math_scoring.strip_think(sample.text))
-                if (
-                    box is not None
-                    and math_scoring.count_boxes(sample.text) == 1
-                    and any(c.isdigit() for c in box)
-                ):
+                if any(c.isdigit() for c in box):
                     score += self.config.box_reward
             group["scores"].append(score)
         if not group["tokens"]:

@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "boxed_number",
     "count_boxes",
+    "final_box",
     "final_boxed_number",
     "extract_boxed",
     "extract_final_answer",
@@ -29,6 +30,7 @@ __all__ = [
     "gsm8k_gold_answer",
     "is_correct",
     "normalize_number",
+    "number_in_box",
     "parse_gold",
     "parse_response",
     "strip_think",
@@ -78,8 +80,12 @@ def boxed_number(text: str) -> str | None:
     ``\\boxed{\\$1,250}`` gives ``"1250"``, ``\\boxed{12 \\text{ eggs}}`` gives ``"12"``.
     """
     content = extract_boxed(strip_think(text))
-    if content is None:
-        return None
+    return None if content is None else number_in_box(content)
+
+
+def number_in_box(content: str) -> str | None:
+    """The number a box's content holds, normalised (see :func:`boxed_number`); None when it
+    holds anything else."""
     # \text{18} keeps its number; \text{ dollars} (a unit) goes
     cleaned = _BOXED_NOISE.sub(
         lambda m: m.group(1) if m.group(1) and any(c.isdigit() for c in m.group(1)) else "",
@@ -95,17 +101,25 @@ def count_boxes(text: str) -> int:
     return len(re.findall(r"\\(?:boxed|fbox)\s*\{", strip_think(text)))
 
 
-def final_boxed_number(text: str, finish_reason: str = "stop") -> str | None:
-    """The reply's final answer when it is well formed, else None.
-
-    Well formed: the reply ended on its own (``finish_reason`` is not ``"length"``: a reply cut
-    off by the token budget has no final answer), it has exactly one ``\\boxed{}`` and that box
-    holds a number (:func:`boxed_number`). A reply that repeats ``\\boxed{222} \\boxed{222} ...``
-    until the budget runs out, or boxes intermediate results, is not well formed.
+def final_box(text: str, finish_reason: str = "stop") -> str | None:
+    """Content of the reply's only box, when the reply ended on its own (``finish_reason`` is
+    not ``"length"``) and has exactly one complete ``\\boxed{}`` after ``</think>``; else None.
     """
     if finish_reason == "length" or count_boxes(text) != 1:
         return None
-    return boxed_number(text)
+    return extract_boxed(strip_think(text))
+
+
+def final_boxed_number(text: str, finish_reason: str = "stop") -> str | None:
+    """The reply's final answer when it is well formed, else None.
+
+    Well formed: the reply ended on its own (a reply cut off by the token budget has no final
+    answer), it has exactly one ``\\boxed{}`` (:func:`final_box`) and that box holds a number
+    (:func:`number_in_box`). A reply that repeats ``\\boxed{222} \\boxed{222} ...`` until the
+    budget runs out, or boxes intermediate results, is not well formed.
+    """
+    box = final_box(text, finish_reason)
+    return None if box is None else number_in_box(box)
 
 
 def normalize_number(text: str) -> str:

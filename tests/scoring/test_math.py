@@ -61,6 +61,16 @@ def test_final_boxed_number(text: str, finish_reason: str, expected: str | None)
     assert m.count_boxes("a \\boxed{1} b \\fbox{2}") == 2
 
 
+def test_final_box_is_the_only_box_of_a_finished_reply() -> None:
+    assert m.final_box("so \\boxed{17 eggs} in all", "stop") == "17 eggs"
+    assert m.final_box("so \\boxed{N}", "stop") == "N"
+    assert m.final_box("so \\boxed{17}", "length") is None
+    assert m.final_box("\\boxed{1} and \\boxed{2}", "stop") is None
+    assert m.final_box("so \\boxed{17", "stop") is None  # unterminated
+    assert m.number_in_box("\\$1,250") == "1250"
+    assert m.number_in_box("17 eggs?") is None
+
+
 def test_gsm8k_gold_answer_and_missing_marker() -> None:
     assert m.gsm8k_gold_answer("She makes 9 * 2 = $18.\n#### 1,018") == "1018"
     with pytest.raises(ValueError, match="####"):
