@@ -4,9 +4,8 @@ Batches are built the way an environment builds them: real chat prompts through 
 chat template (the arithmetic-learn recipe's few-shot prompt, or GSM8K test questions),
 ``--group-size`` replies per prompt with lengths drawn from the task's range (1-4 tokens for
 arithmetic, 40-128 for GSM8K), scores drawn so that ``--flat-fraction`` of the groups score
-alike. Every layout
-trains the same batches; rounds alternate the layouts and the medians are printed, so the
-ratios hold even while the machine's speed drifts.
+alike. Every layout trains the same batches; rounds alternate the layouts and the medians are
+printed, so the ratios hold even while the machine's speed drifts.
 
 Layouts (each adds one change to the one before):
 
