@@ -163,7 +163,7 @@ def score_reply(
     tokens beyond the answer's own."""
     numbers = [int(n) for n in _INT.findall(reply or "")]
     if not numbers:
-        score = -format_penalty
+        score = 0.0 - format_penalty  # 0.0, not -0.0, when there is no penalty
     elif graded_answer(reply) == answer:
         score = 1.0
     elif answer in numbers:

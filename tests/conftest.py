@@ -231,3 +231,37 @@ def tiny_serve(
         yield server
     finally:
         server.stop()
+
+
+# --- Skips fail CI -----------------------------------------------------------------------------
+# A skipped test is a test that did not run. On a developer's machine a missing tool (Chromium,
+# the upstream 0.4.0 virtualenv) skips its tests with a reason; in CI (`CI` set, as `.ci/run`
+# does) every tool is installed first, so any skip means a broken CI setup and fails the run.
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    """In CI, list every skipped test with its reason and say that the run fails because of it."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not (_ci() and skipped):
+        return
+    terminalreporter.section("skipped tests fail the run in CI", sep="=", red=True, bold=True)
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason}")
+    terminalreporter.write_line(
+        f"{len(skipped)} test(s) skipped with CI set: install what they need (see .ci/run)."
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In CI, a run with any skipped test exits non-zero even when everything else passed."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not _ci():
+        return
+    if reporter.stats.get("skipped") and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,9 +1,11 @@
-"""Wire interop with upstream atroposlib 0.4.0 (in /tmp/upstream-venv): the same env file runs
-with upstream's library against our run-api, and with ours against upstream's run-api; every
-group arrives, none twice."""
+"""Wire interop with upstream atroposlib 0.4.0 (its own virtualenv: ``ATROPOS_UPSTREAM_PYTHON``,
+default /tmp/upstream-venv/bin/python; `.ci/run` creates it): the same env file runs with
+upstream's library against our run-api, and with ours against upstream's run-api; every group
+arrives, none twice."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -13,10 +15,13 @@ import pytest
 from tests.conftest import free_port
 from tests.envs.helpers import COUNTING_ENV, Trainer, env_environ, start_env, stop
 
-UPSTREAM_PY = Path("/tmp/upstream-venv/bin/python")
+UPSTREAM_PY = Path(os.environ.get("ATROPOS_UPSTREAM_PYTHON", "/tmp/upstream-venv/bin/python"))
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not UPSTREAM_PY.exists(), reason="upstream venv not installed"),
+    pytest.mark.skipif(
+        not UPSTREAM_PY.exists(),
+        reason=f"upstream atroposlib 0.4.0 virtualenv not found at {UPSTREAM_PY} (see .ci/run)",
+    ),
 ]
 N_ITEMS = 12  # groups of 2, batches of 4: 6 batches
 
