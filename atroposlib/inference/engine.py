@@ -39,7 +39,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from atroposlib.inference.attention import append_cache, use_decode_attention
 from atroposlib.inference.lean_decode import LeanDecoder
 from atroposlib.inference.packed_linear import pack_linear_weights, unpack_linear_weights
-from atroposlib.inference.sampling import LOGPROBS_MODES, RowState, SamplingParams, sample_next
+from atroposlib.inference.sampling import (
+    LOGPROBS_MODES,
+    InvalidParamError,
+    RowState,
+    SamplingParams,
+    sample_next,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +128,8 @@ class RequestHandle:
         self.weights_version: int | None = None
         self.submitted_at = time.monotonic()
         self.aborted = False
+        self.error: EngineError | None = None
+        """Set when this request alone failed (its client gets it; the batch goes on)."""
         self._loop = loop
         self._queue: asyncio.Queue[StreamEvent | BaseException | None] = asyncio.Queue()
 
@@ -505,16 +513,17 @@ class GenerationEngine:
     ) -> RequestHandle:
         """Queue a request; call from the event loop that will consume the handle.
 
-        Raises ``ValueError`` for invalid parameters or a prompt that does not fit the context,
+        Raises ``ValueError`` (:class:`InvalidParamError`, naming the field, for a parameter out
+        of range or a token id outside the vocabulary) or a prompt that does not fit the context,
         :class:`QueueFullError` when the queue is full and :class:`EngineUnavailableError` when
         the engine is not running.
         """
-        params.validate(max_n=self.max_batch, max_logprobs=self.max_logprobs)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
+        params.validate(max_n=self.max_batch, max_logprobs=self.max_logprobs, vocab_size=vocab)
+        if not prompt_ids:
+            raise InvalidParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidParamError("prompt", f"prompt token ids must be in [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -681,7 +690,72 @@ class GenerationEngine:
         groups = [plain] if plain else []
         groups += [[h] for h in handles if h.params.prompt_logprobs is not None]
         for group in groups:
-            self._prefill_group(group)
+            self._prefill_isolated(group)
+
+    def _prefill_isolated(self, handles: list[RequestHandle]) -> None:
+        """Prefill ``handles`` together; if that fails, one by one, so a request that cannot be
+        prefilled or sampled fails alone and the others join the batch."""
+        try:
+            prepared = self._prefill_rows(handles)
+        except Exception as exc:  # noqa: BLE001 - reported to the request(s) concerned
+            if len(handles) > 1:
+                logger.warning(
+                    "prefill of %d prompts failed (%s: %s); prefilling them one by one",
+                    len(handles),
+                    type(exc).__name__,
+                    exc,
+                )
+                for handle in handles:
+                    self._prefill_isolated([handle])
+                return
+            self._fail_request(handles[0], exc)
+            handles[0]._put(handles[0].error)
+            return
+        # Engine-wide from here on: a failure fails the batch (see _run).
+        cache, mask, sequences, tokens, raw_logprobs = prepared
+        self._merge(cache, mask.to(self.device), sequences)
+        self._record_tokens(sequences, tokens, raw_logprobs)
+        self._retire_finished()
+
+    def _fail_request(self, handle: RequestHandle, exc: BaseException) -> None:
+        """Fail one request: its samples end, its rows leave the batch at the next
+        :meth:`_retire_finished`, which hands its client the error instead of the outputs."""
+        if handle.error is None:
+            logger.warning(
+                "request %s failed: %s: %s", handle.id, type(exc).__name__, exc, exc_info=exc
+            )
+            handle.error = EngineError(
+                f"generation failed for this request: {type(exc).__name__}: {exc}"
+            )
+        handle.aborted = True
+        for out in handle.outputs:
+            out.finish_reason = out.finish_reason or "abort"
+
+    def _sample(
+        self, logits: torch.Tensor, sequences: list[_Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`sample_next` for the batch; should it fail, row by row, failing only the
+        requests whose rows cannot be sampled (their token is a placeholder 0, never used)."""
+        try:
+            return sample_next(
+                logits, [s.row for s in sequences], processed=self.processed_logprobs
+            )
+        except Exception as exc:  # noqa: BLE001 - narrowed down to the rows concerned below
+            logger.warning("sampling the batch failed (%s); sampling row by row", exc)
+        tokens = torch.zeros(len(sequences), dtype=torch.long)
+        logprobs = torch.zeros(logits.shape, dtype=torch.float32)
+        for i, seq in enumerate(sequences):
+            if seq.handle.aborted:
+                continue
+            try:
+                token, row_logprobs = sample_next(
+                    logits[i : i + 1], [seq.row], processed=self.processed_logprobs
+                )
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                self._fail_request(seq.handle, exc)
+                continue
+            tokens[i], logprobs[i] = token[0], row_logprobs[0]
+        return tokens, logprobs
 
     def _shared_prefix_len(self, handles: list[RequestHandle]) -> int:
         """Length of the token prefix every prompt shares (a system prompt, few-shot examples),
@@ -700,7 +774,11 @@ class GenerationEngine:
                 return 0
         return shared
 
-    def _prefill_group(self, handles: list[RequestHandle]) -> None:
+    def _prefill_rows(
+        self, handles: list[RequestHandle]
+    ) -> tuple[DynamicCache, torch.Tensor, list[_Sequence], torch.Tensor, torch.Tensor]:
+        """Prefill ``handles`` and sample their first tokens, without touching the running
+        batch: returns the new rows' cache, mask, sequences, tokens and log-probs to merge."""
         # A prefix common to every prompt is run once and its KV cache shared by all rows: the
         # rows then hold [prefix | padding | own suffix], which the attention mask and explicit
         # positions make exact (padding columns are masked out, positions skip them).
@@ -742,8 +820,6 @@ class GenerationEngine:
         logits = out.logits[:, -1, :].float().cpu()
         if want_prompt:
             self._record_prompt_logprobs(handles[0], out.logits[0].float().cpu())
-        self.stats["prompt_tokens"] += sum(len(h.prompt_ids) for h in handles)
-        self.stats["requests"] += len(handles)
 
         rows = [r for r, h in enumerate(handles) for _ in range(h.params.n)]
         index = torch.tensor(rows, dtype=torch.long)
@@ -755,12 +831,10 @@ class GenerationEngine:
             for h in handles
             for i in range(h.params.n)
         ]
-        tokens, raw_logprobs = sample_next(
-            logits[index], [s.row for s in sequences], processed=self.processed_logprobs
-        )
-        self._merge(cache, mask.to(self.device), sequences)
-        self._record_tokens(sequences, tokens, raw_logprobs)
-        self._retire_finished()
+        tokens, raw_logprobs = self._sample(logits[index], sequences)
+        self.stats["prompt_tokens"] += sum(len(h.prompt_ids) for h in handles)
+        self.stats["requests"] += len(handles)
+        return cache, mask, sequences, tokens, raw_logprobs
 
     def _record_prompt_logprobs(self, handle: RequestHandle, logits: torch.Tensor) -> None:
         """vLLM's ``prompt_logprobs``: None for the first token, then {id: logprob} per token
@@ -826,9 +900,7 @@ class GenerationEngine:
             self._cache = out.past_key_values
             logits = out.logits[:, -1, :].float().cpu()
         self._mask = mask
-        tokens, raw_logprobs = sample_next(
-            logits, [s.row for s in self._running], processed=self.processed_logprobs
-        )
+        tokens, raw_logprobs = self._sample(logits, self._running)
         self.stats["steps"] += 1
         self._record_tokens(self._running, tokens, raw_logprobs)
         self._retire_finished()
@@ -848,14 +920,18 @@ class GenerationEngine:
             if seq.handle.aborted:
                 seq.out.finish_reason = "abort"
                 continue
-            seq.out.token_ids.append(token_list[i])
-            seq.out.logprobs.append(chosen[i])
-            k = seq.params.logprobs or 0
-            if k and top_ids is not None and top_vals is not None:
-                seq.out.top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
-            self._check_stop(seq)
-            if seq.handle.stream or seq.finished:
-                self._emit(seq)
+            try:
+                seq.out.token_ids.append(token_list[i])
+                seq.out.logprobs.append(chosen[i])
+                k = seq.params.logprobs or 0
+                if k and top_ids is not None and top_vals is not None:
+                    top = zip(top_ids[i][:k], top_vals[i][:k], strict=True)
+                    seq.out.top_logprobs.append(list(top))
+                self._check_stop(seq)
+                if seq.handle.stream or seq.finished:
+                    self._emit(seq)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                self._fail_request(seq.handle, exc)
 
     def _check_stop(self, seq: _Sequence) -> None:
         params, out = seq.params, seq.out
@@ -958,7 +1034,7 @@ class GenerationEngine:
         still_running = {id(s.handle) for s in self._running}
         for key, handle in done.items():
             if key not in still_running and handle.finished:
-                handle._put(None)
+                handle._put(handle.error)
 
     def _fail_batch(self, exc: BaseException, admitted: list[RequestHandle]) -> None:
         handles = {id(s.handle): s.handle for s in self._running}

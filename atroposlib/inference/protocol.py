@@ -23,7 +23,8 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="allow")
+    # NaN and Infinity (which Python's JSON parser accepts) are refused for every float field.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(description="Served model name (see GET /v1/models).")
     n: int = Field(1, description="Samples per prompt.")
@@ -128,7 +129,7 @@ class GenerateRequest(BaseModel):
     ``SamplingParams`` keyword arguments.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: dict[str, list[int]] | str
     stream: Literal[False] = False

@@ -7,6 +7,7 @@ min-p and penalties only shape the distribution that tokens are drawn from.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -14,6 +15,23 @@ import torch
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures at or below this are treated as greedy decoding (argmax)."""
+
+MAX_INT32 = 2**31 - 1
+"""Upper bound of integer counts (``max_tokens``, ``top_k``): torch turns Python ints into
+64-bit integers, and a value past that range would fail inside the batch, not at the request."""
+
+
+class InvalidParamError(ValueError):
+    """A sampling parameter out of its range; ``param`` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check_range(name: str, value: int, low: int, high: int, why: str = "") -> None:
+    if not low <= value <= high:
+        raise InvalidParamError(name, f"{name} must be in [{low}, {high}]{why}, got {value}")
 
 
 @dataclass
@@ -40,35 +58,51 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def validate(self, max_n: int, max_logprobs: int) -> None:
-        """Raise ``ValueError`` (reported as HTTP 400) for values no backend would accept."""
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.n > max_n:
-            raise ValueError(f"n must be at most {max_n} (the server's --max-concurrency)")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+    def validate(self, max_n: int, max_logprobs: int, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidParamError` (reported as HTTP 400, naming the field) for values no
+        backend would accept: out of range, not finite, or token ids outside ``vocab_size``."""
+        floats = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        for name, value in floats.items():
+            if not math.isfinite(value):
+                raise InvalidParamError(name, f"{name} must be a finite number, got {value}")
+        _check_range("n", self.n, 1, max_n, " (the server's --max-concurrency)")
+        _check_range("max_tokens", self.max_tokens, 1, MAX_INT32)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            raise InvalidParamError(
+                "temperature", f"temperature must be non-negative, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 0, got {self.top_k}")
+            raise InvalidParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1:
+            _check_range("top_k", self.top_k, 0, MAX_INT32, "; -1 disables it")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens, " (max_tokens)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= floats[name] <= 2.0:
+                raise InvalidParamError(name, f"{name} must be in [-2, 2], got {floats[name]}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+            raise InvalidParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+            )
+        if self.seed is not None:
+            _check_range("seed", self.seed, -(2**63), 2**64 - 1)
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None and not 0 <= value <= max_logprobs:
-                raise ValueError(f"{name} must be in [0, {max_logprobs}], got {value}")
+            if value is not None:
+                _check_range(name, value, 0, max_logprobs)
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidParamError("stop", "stop strings must not be empty")
+        if vocab_size is not None:
+            for token in self.stop_token_ids:
+                _check_range("stop_token_ids", token, 0, vocab_size - 1, " (the vocabulary)")
 
     @property
     def greedy(self) -> bool:
@@ -206,7 +240,7 @@ def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     """Mask everything outside each row's top-k and top-p nucleus with -inf."""
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     vocab = scores.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks])
+    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks])
     ranks = torch.arange(vocab)[None, :]
     remove = ranks >= ks[:, None]
     sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))

@@ -42,7 +42,7 @@ from atroposlib.inference.protocol import (
     GenerateRequest,
     ReloadRequest,
 )
-from atroposlib.inference.sampling import SamplingParams
+from atroposlib.inference.sampling import InvalidParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,13 @@ def create_app(state: ServerState) -> FastAPI:
         )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        limit = state.engine.max_logprobs
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= limit:
+            raise APIError(
+                400,
+                f"top_logprobs must be in [0, {limit}], got {body.top_logprobs}",
+                param="top_logprobs",
+            )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(max_tokens, logprobs)
         handle = _submit(state, prompt_ids, params, body.stream)
@@ -517,6 +524,8 @@ def _submit(
         raise APIError(429, str(exc), code="server_overloaded") from exc
     except EngineUnavailableError as exc:
         raise APIError(503, str(exc)) from exc
+    except InvalidParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
     except ValueError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
         raise APIError(400, str(exc), code=code) from exc

@@ -136,3 +136,68 @@ def test_a_replaced_model_is_freed_at_once(tiny_model_dir: Path, tiny_model_dir_
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_request_that_fails_to_sample_fails_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever slips past validation and breaks one row, at prefill or at a later decode
+    step, fails that request only; the requests batched with it finish normally."""
+    from atroposlib.inference import sampling
+    from atroposlib.inference.engine import EngineError
+
+    # Values the server refuses (tests/inference/test_hardening.py), let through here.
+    monkeypatch.setattr(SamplingParams, "validate", lambda self, *a, **k: None)
+    real_penalties = sampling._apply_penalties
+
+    def flaky(scores, row):
+        if row.params.presence_penalty == 1.5 and len(row.output_ids) >= 3:
+            raise RuntimeError("injected failure at the 4th token")
+        real_penalties(scores, row)
+
+    monkeypatch.setattr(sampling, "_apply_penalties", flaky)
+    real_generator = SamplingParams.make_generator
+
+    def no_generator(self, index):
+        if self.seed == 666:
+            raise RuntimeError("injected failure while preparing the rows")
+        return real_generator(self, index)
+
+    monkeypatch.setattr(SamplingParams, "make_generator", no_generator)
+    loaded = load_model(str(tiny_model_dir), "float32")
+
+    async def run() -> None:
+        engine = GenerationEngine(loaded.model, loaded.tokenizer).start()
+        try:
+            good = SamplingParams(max_tokens=30, n=2, ignore_eos=True, logprobs=1)
+            first = engine.submit([1, 2, 3], good)
+            await asyncio.sleep(0.05)
+            # Admitted together with a good request: prefill is retried one by one.
+            bad_at_prefill = engine.submit(
+                [4, 5, 6], SamplingParams(max_tokens=8, stop_token_ids=[10**6], min_tokens=2)
+            )
+            bad_rows = engine.submit([4, 5], SamplingParams(max_tokens=8, seed=666))
+            second = engine.submit([4, 5, 6], good, stream=True)
+            bad_at_decode = engine.submit(
+                [7, 8], SamplingParams(max_tokens=20, n=3, presence_penalty=1.5), stream=True
+            )
+            with pytest.raises(EngineError, match="for this request: IndexError"):
+                await bad_at_prefill.result()
+            with pytest.raises(EngineError, match="while preparing the rows"):
+                await bad_rows.result()
+            events = []
+            with pytest.raises(EngineError, match="injected failure"):
+                async for event in bad_at_decode.events():
+                    events.append(event)
+            assert sum(len(e.token_ids) for e in events) <= 3 * 3
+            for handle in (first, second):
+                outs = await handle.result()
+                assert [len(o.token_ids) for o in outs] == [30, 30]
+                assert {o.finish_reason for o in outs} == {"length"}
+            assert engine.load() == {"running": 0, "waiting": 0} and engine.healthy
+            # The engine serves on afterwards.
+            assert len((await engine.submit([9], good).result())[0].token_ids) == 30
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

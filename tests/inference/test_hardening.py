@@ -1,0 +1,127 @@
+"""``atropos-serve`` under hostile or careless clients, driven over HTTP on 127.0.0.1.
+
+Out-of-range sampling parameters are refused at the request (400 naming the field) and never
+reach the shared batch, where they used to fail every request generating alongside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.inference.conftest import SERVED_NAME, start_server
+
+PROMPT_IDS = [504, 3458, 282, 4649, 314]
+VOCAB = 49152  # the tiny model's (SmolLM2's tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    server = start_server(
+        tmp_path_factory,
+        tiny_model_dir,
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        SERVED_NAME,
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# (fields, the field the error must name). Each passes the JSON schema (ints, finite floats).
+BAD_SAMPLING = [
+    ({"stop_token_ids": [1_000_000], "min_tokens": 2}, "stop_token_ids"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"top_k": 10_000_000_000_000_000_000}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 2**70}, "seed"),
+    ({"n": 2**70}, "n"),
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"min_tokens": 2**70}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": -1e300}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"temperature": -1.0}, "temperature"),
+]
+
+# Python's JSON parser reads these words as floats; a request must not.
+NON_FINITE = ["NaN", "Infinity", "-Infinity"]
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
+
+
+def _bodies(fields: dict) -> list[tuple[str, dict]]:
+    """The same sampling fields on each generating route."""
+    return [
+        ("/v1/completions", {"model": SERVED_NAME, "prompt": "x", "max_tokens": 4, **fields}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                **fields,
+            },
+        ),
+        ("/generate", {"prompt": {"prompt_token_ids": PROMPT_IDS}, "max_tokens": 4, **fields}),
+    ]
+
+
+async def test_bad_sampling_values_fail_alone_with_a_400_naming_the_field(server):
+    long_body = {
+        "prompt": {"prompt_token_ids": PROMPT_IDS},
+        "n": 2,
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        # Requests generating while the bad ones arrive must not notice them.
+        long_running = asyncio.create_task(client.post("/generate", json=long_body))
+        for _ in range(100):
+            if (await client.get("/health")).json()["running"]:
+                break
+            await asyncio.sleep(0.05)
+        for fields, param in BAD_SAMPLING:
+            for path, body in _bodies(fields):
+                if path == "/v1/chat/completions" and "max_tokens" in fields:
+                    body["max_completion_tokens"] = body.pop("max_tokens")
+                reply = await client.post(path, json=body)
+                assert reply.status_code == 400, (path, fields, reply.text)
+                error = reply.json()["error"]
+                assert error["param"] == param and param in error["message"], (path, error)
+        for name in FLOAT_FIELDS:
+            for word in NON_FINITE:
+                for path, body in _bodies({}):
+                    raw = json.dumps(body)[:-1] + f', "{name}": {word}}}'
+                    reply = await client.post(
+                        path, content=raw, headers={"content-type": "application/json"}
+                    )
+                    assert reply.status_code == 400, (path, name, word, reply.text)
+                    assert reply.json()["error"]["param"] == name
+        chat = _bodies({"logprobs": True, "top_logprobs": 2**70})[1]
+        reply = await client.post(chat[0], json=chat[1])
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "top_logprobs"
+        # A top_k past the vocabulary is as good as none (vLLM clamps it too).
+        reply = await client.post("/generate", json=_bodies({"top_k": VOCAB * 4})[2][1])
+        assert reply.status_code == 200, reply.text
+        done = await long_running
+    assert done.status_code == 200, done.text
+    assert [len(ids) for ids in done.json()["token_ids"]] == [400, 400]
+    assert done.json()["finish_reasons"] == ["length", "length"]
