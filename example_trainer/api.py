@@ -2,6 +2,11 @@
 
 Both calls keep retrying while ``run-api`` is starting or restarting (connection refused, 5xx),
 so the trainer may be started before the API.
+
+Batches are acknowledged: each ``GET /batch`` carries ``ack=<step of the last batch received>``,
+so a batch whose response was lost (run-api died or the connection broke mid-response) is handed
+out again by a run-api with a durable store instead of being lost (at-least-once delivery; an
+upstream run-api ignores the parameter).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class TrainerAPIClient:
     def __init__(self, url: str, *, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        #: step of the last batch received (``X-Atropos-Step``), acknowledged on the next /batch
+        self.last_step: int | None = None
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -37,6 +44,13 @@ class TrainerAPIClient:
         self.close()
 
     def _request(self, method: str, path: str, deadline: float | None, **kwargs: Any) -> Any:
+        """One call, retried on connection errors and 5xx until ``deadline`` (None: forever);
+        the decoded JSON body."""
+        return self._response(method, path, deadline, **kwargs).json()
+
+    def _response(
+        self, method: str, path: str, deadline: float | None, **kwargs: Any
+    ) -> httpx.Response:
         """One call, retried on connection errors and 5xx until ``deadline`` (None: forever)."""
         delay = 0.2
         while True:
@@ -48,7 +62,7 @@ class TrainerAPIClient:
                             f"{method} {self.url}{path}: HTTP {response.status_code} "
                             f"{response.text[:500]}"
                         )
-                    return response.json()
+                    return response
                 problem = f"HTTP {response.status_code}"
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
@@ -89,6 +103,9 @@ class TrainerAPIClient:
         reply = self._request("POST", "/register", deadline, json=body)
         if "uuid" not in reply:
             raise TrajectoryAPIError(f"/register answered without a uuid: {reply}")
+        if self.last_step is None:
+            # batches up to the step we start from are done; any later one is handed out again
+            self.last_step = starting_step
         return int(reply["uuid"])
 
     def get_batch(self, *, timeout: float | None = None, poll: float = 1.0) -> list[dict]:
@@ -99,10 +116,23 @@ class TrainerAPIClient:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            reply = self._request("GET", "/batch", deadline)
+            params = {} if self.last_step is None else {"ack": self.last_step}
+            # a response cut short is a transport error, retried by _response: with the same
+            # ack, run-api hands the same batch out again
+            response = self._response("GET", "/batch", deadline, params=params)
+            reply = response.json()
             if reply.get("status") == "error":
                 raise TrajectoryAPIError(f"/batch: {reply.get('message', reply)}")
             if reply.get("batch"):
+                step = response.headers.get("X-Atropos-Step")
+                if step is not None:
+                    self.last_step = int(step)
+                if response.headers.get("X-Atropos-Redelivered"):
+                    logger.warning(
+                        "/batch: run-api handed out the batch of step %s again (the previous "
+                        "response was lost)",
+                        step,
+                    )
                 return reply["batch"]
             if deadline is not None and time.monotonic() > deadline:
                 raise TrajectoryAPIError(

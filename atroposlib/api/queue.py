@@ -11,6 +11,12 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
 * Registration is an explicit flag. The first ``/register`` configures the run; later ones only
   add a requester id. Groups may arrive before ``/register``; they wait in the queue.
 * Batches go out FIFO, one per ``take_batch`` call; the step advances only then.
+* Delivery is at-most-once for a trainer that does not acknowledge (upstream's behaviour: a
+  batch whose response is lost is gone). A trainer that passes ``ack`` (``GET /batch?ack=N``:
+  "I have received every batch up to step N") gets at-least-once delivery: each batch it is
+  handed stays stored until acknowledged, and a request whose ``ack`` is behind a batch
+  already handed out gets that batch again (same groups, same step) instead of a new one, also
+  after a restart of a server with a durable store.
 * Partial groups an env sends (fewer sequences than its registered ``group_size``) are buffered
   and merged into one group of ``group_size`` as soon as buffered parts add up to it.
 * The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
@@ -78,6 +84,16 @@ class PreparedGroup:
     payload: bytes
 
 
+class Batch(list):
+    """The pieces of one ``{"batch": [...]}`` body (``b"".join(batch)`` is the JSON), with the
+    step the batch was handed out for and whether it is a repeat of an unacknowledged one."""
+
+    def __init__(self, pieces: list[bytes], step: int, redelivered: bool = False) -> None:
+        super().__init__(pieces)
+        self.step = step
+        self.redelivered = redelivered
+
+
 class Refused(Exception):
     """A group the queue will not take. ``reason`` is the metric label, ``status`` the HTTP code."""
 
@@ -140,6 +156,7 @@ class TrajectoryQueue:
         self.dropped = Counter[str]()
         self.batches_served = 0
         self.sequences_served = 0
+        self.redelivered_batches = 0
         self._restore()
 
     # ------------------------------------------------------------------ state
@@ -151,6 +168,8 @@ class TrajectoryQueue:
         self.envs: list[dict[str, Any]] = []
         self._queue: dict[int, StoredGroup] = {}
         self._buffers: dict[int, list[StoredGroup]] = {}
+        # batches handed out to an acknowledging trainer, not yet acknowledged: step -> groups
+        self._inflight: dict[int, list[StoredGroup]] = {}
         self._latest: bytes | None = None
         self._next_gid = 1
         self._queued_seqs = 0
@@ -173,7 +192,7 @@ class TrajectoryQueue:
 
     def _restore(self) -> None:
         state = self.store.load()
-        if not state.meta and not state.queued and not state.buffered:
+        if not state.meta and not state.queued and not state.buffered and not state.inflight:
             return
         self.registration = state.meta.get("registration")
         self.step = int(state.meta.get("step", 0))
@@ -186,17 +205,20 @@ class TrajectoryQueue:
             self._buffers.setdefault(group.env_id, []).append(group)
             self._buffered_seqs += group.size
             self._buffered_bytes += len(group.payload)
-        gids = [g.gid for g in state.queued + state.buffered]
+        self._inflight = dict(sorted(state.inflight.items()))
+        inflight = [g for groups in self._inflight.values() for g in groups]
+        gids = [g.gid for g in state.queued + state.buffered + inflight]
         self._next_gid = max(gids, default=0) + 1
         if state.queued:
             self._latest = state.queued[-1].payload
         logger.info(
             "Restored from store: step %d, %d queued groups (%d sequences), %d buffered parts, "
-            "%d envs, trainer %s",
+            "%d unacknowledged batches, %d envs, trainer %s",
             self.step,
             len(self._queue),
             self._queued_seqs,
             sum(len(b) for b in self._buffers.values()),
+            len(self._inflight),
             len(self.envs),
             "registered" if self.registration else "not registered",
         )
@@ -529,13 +551,19 @@ class TrajectoryQueue:
             if e["connected"] and e.get("min_batch_allocation") is not None
         }
 
-    def take_batch(self) -> list[bytes] | dict[str, Any]:
+    def take_batch(self, ack: int | None = None) -> Batch | dict[str, Any]:
         """Hand out the next batch: the pieces of its serialised ``{"batch": [...]}`` body, in
         order (``b"".join(pieces)`` is the JSON; joining is left to the caller so that it can
-        happen off the event loop).
+        happen off the event loop), with its step.
 
         Returns upstream's error dict when no trainer registered, and ``{"batch": None}`` when
-        the queue cannot fill a batch yet. The step advances by one per batch handed out.
+        the queue cannot fill a batch yet. The step advances by one per new batch handed out.
+
+        ``ack`` (optional): the trainer has received every batch up to this step. Acknowledged
+        batches are forgotten; if a batch after ``ack`` was already handed out, the oldest such
+        is handed out again instead of a new one; a new batch is kept until acknowledged.
+        Without ``ack`` a batch is forgotten as soon as it is handed out (at-most-once).
+        Raises :class:`Refused` (422) when ``ack`` is ahead of the last batch handed out.
         """
         with self._lock:
             if not self.registered:
@@ -544,16 +572,31 @@ class TrajectoryQueue:
                     "message": "Trainer not registered. Call /register first.",
                     "batch": [],
                 }
+            if ack is not None and ack > self.step:
+                raise Refused(
+                    "bad_ack",
+                    f"ack={ack} is ahead of the last batch handed out (step {self.step})",
+                    loc=("query", "ack"),
+                )
             if not self.started:
                 self.started = True
                 self.store.put_meta(self._meta())
+            if ack is not None:
+                again = self._acknowledge(ack)
+                if again is not None:
+                    return again
             chosen = self._choose()
             if not chosen:
                 return {"batch": None}
             for group in chosen:
                 self._dequeue(group)
             self.step += 1
-            self.store.take([g.gid for g in chosen], self._meta())
+            if ack is None:
+                self.store.take([g.gid for g in chosen], self._meta())
+            else:
+                chosen.sort(key=lambda g: g.gid)  # the order a restored store gives back
+                self._inflight[self.step] = chosen
+                self.store.take_inflight([g.gid for g in chosen], self.step, self._meta())
             self.batches_served += 1
             seqs = sum(g.size for g in chosen)
             self.sequences_served += seqs
@@ -566,13 +609,35 @@ class TrajectoryQueue:
                 len(chosen),
                 len(self._queue),
             )
-            pieces = [b'{"batch":[']
-            for i, g in enumerate(chosen):
-                if i:
-                    pieces.append(b",")
-                pieces.append(g.payload)
-            pieces.append(b"]}")
-            return pieces
+            return Batch(self._pieces(chosen), self.step)
+
+    @staticmethod
+    def _pieces(groups: list[StoredGroup]) -> list[bytes]:
+        pieces = [b'{"batch":[']
+        for i, g in enumerate(groups):
+            if i:
+                pieces.append(b",")
+            pieces.append(g.payload)
+        pieces.append(b"]}")
+        return pieces
+
+    def _acknowledge(self, ack: int) -> Batch | None:
+        """Forget batches up to ``ack``; the oldest unacknowledged batch after it, if any."""
+        done = [step for step in self._inflight if step <= ack]
+        if done:
+            gids = [g.gid for step in done for g in self._inflight.pop(step)]
+            self.store.release(gids)
+        if not self._inflight:
+            return None
+        step, groups = next(iter(self._inflight.items()))
+        self.redelivered_batches += 1
+        logger.warning(
+            "Handing out the batch of step %d again: the trainer acknowledged only up to step %d "
+            "(its response was lost, or the trainer restarted)",
+            step,
+            ack,
+        )
+        return Batch(self._pieces(groups), step, redelivered=True)
 
     def _choose(self) -> list[StoredGroup]:
         batch_size = self.batch_size
@@ -598,9 +663,17 @@ class TrajectoryQueue:
         """``/reset_data``: forget the run. Queued and buffered groups are counted as dropped."""
         with self._lock:
             dropped = len(self._queue) + sum(len(b) for b in self._buffers.values())
+            unacked = sum(len(b) for b in self._inflight.values())
             if dropped:
                 self.dropped["reset"] += dropped
                 logger.warning("Reset: dropping %d queued/buffered groups", dropped)
+            if unacked:
+                self.dropped["reset_unacknowledged"] += unacked
+                logger.warning(
+                    "Reset: forgetting %d groups in %d batches the trainer never acknowledged",
+                    unacked,
+                    len(self._inflight),
+                )
             self._init_state()
             self.store.clear(self._meta())
 
@@ -626,6 +699,8 @@ class TrajectoryQueue:
                 "dropped": dict(self.dropped),
                 "batches_served": self.batches_served,
                 "sequences_served": self.sequences_served,
+                "unacknowledged_batches": len(self._inflight),
+                "redelivered_batches": self.redelivered_batches,
                 "envs": [
                     {
                         "env_id": e["registered_id"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -431,6 +432,18 @@ def _prometheus(m: dict[str, Any]) -> str:
         "Sequences handed out.",
         [("", m["sequences_served"])],
     )
+    metric(
+        "unacknowledged_batches",
+        "gauge",
+        "Batches handed out to an acknowledging trainer (GET /batch?ack=) and not yet acknowledged.",
+        [("", m["unacknowledged_batches"])],
+    )
+    metric(
+        "redelivered_batches_total",
+        "counter",
+        "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
+        [("", m["redelivered_batches"])],
+    )
     env_samples = [(f'{{env_id="{e["env_id"]}",name="{e["name"]}"}}', e) for e in m["envs"]]
     metric(
         "env_queued_sequences",
@@ -685,22 +698,34 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         )
 
     @app.get("/batch")
-    async def batch(request: Request) -> Response:
-        """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready."""
-        result = (
-            await run_in_threadpool(queue.take_batch) if queue.store.durable else queue.take_batch()
-        )
+    async def batch(request: Request, ack: int | None = None) -> Response:
+        """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready.
+
+        ``?ack=N`` (optional, not in upstream): the trainer has received every batch up to step
+        N. Batches are then kept until acknowledged and one whose response was lost is handed
+        out again (at-least-once); without it a batch is gone once handed out (at-most-once,
+        upstream's behaviour). The batch's step is in the ``X-Atropos-Step`` header.
+        """
+        if ack is not None and not 0 <= ack < 2**62:
+            return _problem_response(
+                HTTPProblem(422, "ack must be a step number >= 0", ("query", "ack"))
+            )
+        take = partial(queue.take_batch, ack)
+        try:
+            result = await run_in_threadpool(take) if queue.store.durable else take()
+        except Refused as exc:
+            return _problem_response(HTTPProblem(exc.status, exc.message, ("query", *exc.loc[1:])))
         if isinstance(result, dict):
             return _json(result)
+        headers = {"X-Atropos-Step": str(result.step)}
+        if result.redelivered:
+            headers["X-Atropos-Redelivered"] = "1"
         if _accepts_gzip(request) and sum(map(len, result)) >= _GZIP_MINIMUM:
             level = min(settings.gzip_level, _MAX_GZIP_LEVEL)
             body = await run_in_threadpool(_join_and_gzip, result, level)
-            return Response(
-                body,
-                media_type="application/json",
-                headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"},
-            )
-        return Response(b"".join(result), media_type="application/json")
+            headers.update({"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            return Response(body, media_type="application/json", headers=headers)
+        return Response(b"".join(result), media_type="application/json", headers=headers)
 
     @app.get("/latest_example")
     async def latest_example() -> Response:

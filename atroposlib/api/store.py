@@ -7,7 +7,10 @@ mode, so after a crash or ``kill -9`` a restart on the same file finds every ack
 either still queued or already handed out in a batch, never both and never neither.
 
 A store knows nothing about packing rules: it persists groups (opaque serialised payloads with
-their size and env), env records and a few metadata values.
+their size and env), env records and a few metadata values. A group handed out in a batch that
+the trainer has not yet acknowledged (``GET /batch?ack=``) stays in the store, marked with the
+step of its batch, until the acknowledgement comes; that is what lets a restarted server serve a
+lost batch again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class StoredState:
     envs: list[dict[str, Any]] = field(default_factory=list)
     queued: list[StoredGroup] = field(default_factory=list)
     buffered: list[StoredGroup] = field(default_factory=list)
+    #: batches handed out but not acknowledged: step -> its groups, in batch order
+    inflight: dict[int, list[StoredGroup]] = field(default_factory=dict)
 
 
 class QueueStore(Protocol):
@@ -56,6 +61,10 @@ class QueueStore(Protocol):
     def promote(self, gids: list[int]) -> None: ...
 
     def take(self, gids: list[int], meta: dict[str, Any]) -> None: ...
+
+    def take_inflight(self, gids: list[int], step: int, meta: dict[str, Any]) -> None: ...
+
+    def release(self, gids: list[int]) -> None: ...
 
     def clear(self, meta: dict[str, Any]) -> None: ...
 
@@ -88,6 +97,12 @@ class MemoryStore:
     def take(self, gids: list[int], meta: dict[str, Any]) -> None:
         pass
 
+    def take_inflight(self, gids: list[int], step: int, meta: dict[str, Any]) -> None:
+        pass
+
+    def release(self, gids: list[int]) -> None:
+        pass
+
     def clear(self, meta: dict[str, Any]) -> None:
         pass
 
@@ -103,7 +118,8 @@ CREATE TABLE IF NOT EXISTS groups (
     env_id INTEGER,
     size INTEGER NOT NULL,
     buffered INTEGER NOT NULL DEFAULT 0,
-    payload BLOB NOT NULL
+    payload BLOB NOT NULL,
+    served_step INTEGER
 );
 """
 
@@ -129,6 +145,9 @@ class SqliteStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(groups)")}
+        if "served_step" not in columns:  # a store written before acknowledgements existed
+            self._db.execute("ALTER TABLE groups ADD COLUMN served_step INTEGER")
 
     def _tx(self, statements: list[tuple[str, Any]]) -> None:
         with self._lock:
@@ -161,11 +180,16 @@ class SqliteStore:
                 for (r,) in self._db.execute("SELECT record FROM envs ORDER BY env_id")
             ]
             state = StoredState(meta=meta, envs=envs)
-            for gid, env_id, size, buffered, payload in self._db.execute(
-                "SELECT gid, env_id, size, buffered, payload FROM groups ORDER BY gid"
-            ):
+            rows = self._db.execute(
+                "SELECT gid, env_id, size, buffered, payload, served_step FROM groups "
+                "ORDER BY served_step, rowid"
+            )
+            for gid, env_id, size, buffered, payload, served_step in rows:
                 group = StoredGroup(gid, env_id, size, bytes(payload))
-                (state.buffered if buffered else state.queued).append(group)
+                if served_step is not None:
+                    state.inflight.setdefault(served_step, []).append(group)
+                else:
+                    (state.buffered if buffered else state.queued).append(group)
             return state
 
     def put_meta(self, values: dict[str, Any]) -> None:
@@ -213,6 +237,19 @@ class SqliteStore:
                 self._meta_rows(meta),
             ]
         )
+
+    def take_inflight(self, gids: list[int], step: int, meta: dict[str, Any]) -> None:
+        """Hand groups out in the batch of ``step`` but keep them until :meth:`release`."""
+        self._tx(
+            [
+                ("UPDATE groups SET served_step=? WHERE gid=?", [(step, gid) for gid in gids]),
+                self._meta_rows(meta),
+            ]
+        )
+
+    def release(self, gids: list[int]) -> None:
+        """Forget groups whose batch the trainer acknowledged."""
+        self._tx([("DELETE FROM groups WHERE gid=?", [(gid,) for gid in gids])])
 
     def clear(self, meta: dict[str, Any]) -> None:
         self._tx(

@@ -176,6 +176,41 @@ def test_registration_retries_until_run_api_starts(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_client_acknowledges_so_a_lost_batch_comes_again(start_api, tmp_path: Path) -> None:
+    """The trainer's client sends ``ack`` with each /batch: a batch whose response never reached
+    it (here fetched by someone else, then run-api killed and restarted on its store) is handed
+    to it again, then the next one; the loop sees every group once."""
+    from tests.api.helpers import add_env, group, tags
+
+    store = tmp_path / "run.sqlite3"
+    server = start_api("--store", str(store))
+    with TrainerAPIClient(server.url) as client:
+        client.register(
+            batch_size=4,
+            max_token_len=64,
+            checkpoint_dir=str(tmp_path),
+            save_checkpoint_interval=1,
+            starting_step=0,
+            num_steps=3,
+        )
+        with httpx.Client(base_url=server.url, timeout=10) as raw:
+            assert raw.get("/batch").json() == {"batch": None}  # opens env registration
+            env = add_env(raw, group_size=2)
+            for tag in range(1, 7):
+                assert raw.post("/scored_data", json=group(2, env_id=env, tag=tag)).is_success
+            assert tags(client.get_batch(timeout=10)) == [1, 2]
+            assert client.last_step == 1
+            # the response of step 2 is lost on its way to the trainer
+            lost = raw.get("/batch", params={"ack": 1})
+            assert lost.headers["X-Atropos-Step"] == "2"
+        server.kill9()
+        again = start_api("--store", str(store), port=server.port)
+        assert again.port == server.port
+        assert tags(client.get_batch(timeout=30)) == [3, 4]
+        assert tags(client.get_batch(timeout=10)) == [5, 6]
+        assert client.last_step == 3
+
+
 def test_batch_before_registration_is_an_error(api: httpx.Client) -> None:
     with TrainerAPIClient(str(api.base_url)) as client:
         with pytest.raises(TrajectoryAPIError, match="not registered"):
