@@ -19,29 +19,30 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.datastructures import MutableHeaders
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from atroposlib.api.models import (
-    EnvIdentifier,
-    GroupError,
-    RegisterEnv,
-    Registration,
-    ScoredData,
-    check_group,
+from atroposlib.api.ingest import (
+    BodyTooLarge,
+    ClientGone,
+    GroupParser,
+    HTTPProblem,
+    IngestBudget,
+    IngestBusy,
+    InvalidGzip,
+    ParserGone,
+    read_body,
 )
+from atroposlib.api.models import EnvIdentifier, RegisterEnv, Registration, ScoredData
 from atroposlib.api.queue import (
-    PreparedGroup,
     QueueFull,
     QueueLimits,
     Refused,
@@ -51,212 +52,118 @@ from atroposlib.api.queue import (
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
 
-try:  # Intel ISA-L: 2x faster gunzip and 4x faster gzip than zlib, same format
+try:  # Intel ISA-L: 4x faster gzip than zlib, same format
     from isal import igzip as _gzip
-    from isal import isal_zlib as _zlib
 
     _MAX_GZIP_LEVEL = 3
 except ImportError:  # pragma: no cover - platforms without isal wheels
     import gzip as _gzip  # type: ignore[no-redef]
-    import zlib as _zlib  # type: ignore[no-redef]
 
     _MAX_GZIP_LEVEL = 9
 
 logger = logging.getLogger("atroposlib.api")
 
-#: Bodies at least this large are parsed, (de)compressed and serialised in a worker thread.
-_OFFLOAD_BYTES = 64 * 1024
 #: Responses smaller than this are never gzipped (upstream's GZipMiddleware minimum_size).
 _GZIP_MINIMUM = 1000
 
-_SCORED_ONE = TypeAdapter(ScoredData)
-_SCORED_LIST = TypeAdapter(list[ScoredData])
-#: Endpoints that take scored groups (their gzip bodies are handled by the endpoint itself).
+#: Endpoints that take scored groups.
 INGEST_PATHS = frozenset({"/scored_data", "/scored_data_list"})
 _SELF_ENCODED_PATHS = INGEST_PATHS | {"/batch"}
 
 
-class HTTPProblem(Exception):
-    """An error answered as ``{"detail": [...]}`` (FastAPI's shape) with a status code."""
-
-    def __init__(
-        self,
-        status: int,
-        msg: str,
-        loc: tuple[Any, ...] = ("body",),
-        kind: str = "value_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(msg)
-        self.status = status
-        self.detail = [{"loc": list(loc), "msg": msg, "type": kind}]
-        self.headers = headers
+#: Most bytes accepted in the body of a request that does not carry scored groups.
+SMALL_BODY_BYTES = 1 << 20
 
 
 class RequestBodyMiddleware:
-    """Request gzip (``Content-Encoding: gzip``) and a cap on body size.
+    """Outermost layer and the one place a request body is read (see :func:`read_body`).
 
-    Like upstream, a gzip body is decompressed and handed on without the header; a body that is
-    not valid gzip gets ``400 Invalid gzip payload``. Unlike upstream, the decompressed size is
-    capped (a gzip bomb gets 413) and large bodies are decompressed in a worker thread.
+    Caps the body (``--max-request-bytes`` for scored data, ``SMALL_BODY_BYTES`` for every other
+    endpoint) before and after gzip decompression, charges it to the ingest byte budget while it
+    is held, and answers 413, ``400 Invalid gzip payload`` or ``503`` + ``Retry-After`` itself.
+    A gzip body is handed on decompressed without the header (as upstream's middleware does).
+
+    ``POST /scored_data(_list)`` from envs then skip the framework stack and go straight to the
+    ingest function (about a third of the server's per-request CPU); requests with an
+    ``Origin`` header (browsers, which need the CORS and origin checks) take the normal path.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        budget: IngestBudget,
+        retry_after_s: int,
+        on_refused: Callable[[str], None],
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.budget = budget
+        self.retry_after_s = retry_after_s
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        encoding = headers.get("content-encoding", "").lower()
-        declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(scope, receive, send)
+        encoding = ""
+        declared = None
+        chunked = from_browser = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = value
+            elif name == b"content-encoding":
+                encoding = value.decode("latin-1").lower()
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"origin":
+                from_browser = True
+        if not chunked and declared in (None, b"0"):
+            await self.app(scope, receive, send)  # no body to read
             return
-        if "gzip" not in encoding or scope.get("path") in INGEST_PATHS:
-            # scored data is decompressed by its endpoint, in the same worker thread that
-            # validates it (one thread hop per request instead of two)
-            await self.app(scope, self._capped(receive), send)
-            return
-
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        ingest_path = scope["method"] == "POST" and scope["path"] in INGEST_PATHS
+        cap = self.max_bytes if ingest_path else min(self.max_bytes, SMALL_BODY_BYTES)
         try:
-            if len(body) >= _OFFLOAD_BYTES:
-                plain = await run_in_threadpool(gunzip, body, self.max_bytes)
-            else:
-                plain = gunzip(body, self.max_bytes)
-        except _TooLarge:
-            await self._too_large(scope, receive, send)
+            if declared is not None and (not declared.isdigit() or int(declared) > cap):
+                raise BodyTooLarge
+            body = await read_body(receive, cap, "gzip" in encoding, self.budget)
+        except BodyTooLarge:
+            self.on_refused("body_too_large")
+            await _too_large_response(cap, ingest_path)(scope, receive, send)
             return
-        except (OSError, EOFError, _zlib.error):
+        except InvalidGzip:
             self.on_refused("bad_gzip")
             await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
             return
-
-        mutable = MutableHeaders(scope=scope)
-        mutable["content-length"] = str(len(plain))
-        del mutable["content-encoding"]
-        delivered = False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if delivered:
-                return await receive()
-            delivered = True
-            return {"type": "http.request", "body": plain, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    def _capped(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge
-            return message
-
-        return wrapped
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.on_refused("body_too_large")
-        await _too_large_response(self.max_bytes)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def gunzip(body: bytes, max_bytes: int) -> bytes:
-    """Decompress a gzip body (one or more members), refusing to grow past ``max_bytes``.
-
-    Raises :class:`_TooLarge` past the cap, ``EOFError``/``zlib.error`` for invalid data.
-    """
-    if not body:
-        return b""
-    out = bytearray()
-    data = body
-    while data:
-        inflater = _zlib.decompressobj(16 + 15)
-        out += inflater.decompress(data, max_bytes + 1 - len(out))
-        if len(out) > max_bytes or inflater.unconsumed_tail:
-            raise _TooLarge
-        if not inflater.eof:
-            raise EOFError("truncated gzip stream")
-        data = inflater.unused_data  # concatenated gzip members
-    return bytes(out)
-
-
-class IngestFastLane:
-    """Outermost ASGI layer: ``POST /scored_data(_list)`` from envs skip the framework stack.
-
-    Producers call these endpoints hundreds of times a second; routing them straight to the
-    ingest function saves about a third of the server's per-request CPU. Requests with an
-    ``Origin`` header (browsers, which need CORS headers) take the normal path.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[str], None]) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.on_refused = on_refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in INGEST_PATHS
-        ):
-            await self.app(scope, receive, send)
+        except IngestBusy:
+            self.on_refused("busy")
+            await _busy_response(self.budget.limit, self.retry_after_s)(scope, receive, send)
             return
-        encoding = ""
-        declared = None
-        for name, value in scope["headers"]:
-            if name == b"origin":
-                await self.app(scope, receive, send)
-                return
-            if name == b"content-encoding":
-                encoding = value.decode("latin-1")
-            elif name == b"content-length":
-                declared = value
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            self.on_refused("body_too_large")
-            await _too_large_response(self.max_bytes)(scope, receive, send)
+        except ClientGone:
             return
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
+        try:
+            if ingest_path and not from_browser:
+                ingest = scope["app"].state.ingest  # set by create_app; Starlette fills "app"
+                response = await ingest(body.data, scope["path"] == "/scored_data_list")
+                await response(scope, receive, send)
                 return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                self.on_refused("body_too_large")
-                await _too_large_response(self.max_bytes)(scope, receive, send)
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        ingest = scope["app"].state.ingest  # set by create_app; Starlette fills scope["app"]
-        response = await ingest(b"".join(chunks), encoding, scope["path"] == "/scored_data_list")
-        await response(scope, receive, send)
+            if encoding:
+                headers = MutableHeaders(scope=scope)
+                headers["content-length"] = str(len(body.data))
+                del headers["content-encoding"]
+                del headers["transfer-encoding"]
+            delivered = False
+
+            async def replay() -> Message:
+                nonlocal delivered
+                if delivered:
+                    return await receive()
+                delivered = True
+                return {"type": "http.request", "body": body.data, "more_body": False}
+
+            await self.app(scope, replay, send)
+        finally:
+            body.release()
 
 
 class SkipPrecompressedGZip(GZipMiddleware):
@@ -294,85 +201,22 @@ def _json_bytes(raw: bytes) -> Any:
         ) from None
 
 
-def _validation_problem(exc: ValidationError, prefix: tuple[Any, ...] = ()) -> HTTPProblem:
-    problem = HTTPProblem(422, "invalid request body")
-    problem.detail = [
-        {"loc": ["body", *prefix, *err["loc"]], "msg": err["msg"], "type": err["type"]}
-        for err in exc.errors(include_url=False, include_input=False)
-    ]
-    return problem
+def _too_large_response(limit: int, scored_data: bool = True) -> JSONResponse:
+    why = "(run-api --max-request-bytes)" if scored_data else "for this endpoint"
+    return _problem_response(
+        HTTPProblem(413, f"request body exceeds the limit of {limit} bytes {why}", kind="too_large")
+    )
 
 
-class InvalidGzip(Exception):
-    """A body sent with ``Content-Encoding: gzip`` that is not gzip."""
-
-
-def prepare_groups(
-    raw: bytes, many: bool, gzipped: bool = False, max_bytes: int = 1 << 62
-) -> list[PreparedGroup]:
-    """Decompress, parse, validate and serialise the body of ``/scored_data`` (or ``_list``).
-
-    Parsing and type validation happen in one pass in pydantic-core; each group is then
-    serialised once (orjson) into the payload that ``/batch`` will concatenate.
-    """
-    if gzipped:
-        try:
-            raw = gunzip(raw, max_bytes)
-        except (OSError, EOFError, _zlib.error):
-            raise InvalidGzip from None
-    try:
-        parsed = (_SCORED_LIST if many else _SCORED_ONE).validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        if first["type"] == "json_invalid":
-            raise HTTPProblem(
-                400, f"request body is not valid JSON: {first['msg']}", kind="json_invalid"
-            ) from None
-        if not first["loc"] and many:
-            raise HTTPProblem(
-                422, "body must be a JSON array of scored groups", kind="list_type"
-            ) from None
-        if not first["loc"]:
-            raise HTTPProblem(
-                422, "body must be a JSON object (one scored group)", kind="dict_type"
-            ) from None
-        raise _validation_problem(exc) from None
-    groups: list[ScoredData] = parsed if many else [parsed]
-    if not groups:
-        raise HTTPProblem(422, "body is an empty list: send at least one group")
-
-    prepared = []
-    for i, group in enumerate(groups):
-        try:
-            check_group(group)
-        except GroupError as exc:
-            loc = ((i,) if many else ()) + exc.loc
-            raise HTTPProblem(422, exc.msg, ("body", *loc)) from None
-        prepared.append(
-            PreparedGroup(
-                env_id=group.env_id,
-                size=len(group.tokens),
-                longest=max(len(t) for t in group.tokens),
-                # fields in declaration order, which is upstream's key order
-                payload=orjson.dumps(group.__dict__),
-            )
+def _busy_response(budget: int, retry_after_s: int) -> JSONResponse:
+    return _problem_response(
+        HTTPProblem(
+            503,
+            "request bodies being read and parsed already hold the server's ingest budget of "
+            f"{budget} bytes (run-api --ingest-budget-bytes): retry later",
+            kind="busy",
+            headers={"Retry-After": str(max(1, retry_after_s))},
         )
-    return prepared
-
-
-def _too_large_response(limit: int) -> JSONResponse:
-    return JSONResponse(
-        {
-            "detail": [
-                {
-                    "loc": ["body"],
-                    "msg": f"request body exceeds the limit of {limit} bytes "
-                    "(run-api --max-request-bytes)",
-                    "type": "too_large",
-                }
-            ]
-        },
-        status_code=413,
     )
 
 
@@ -498,23 +342,19 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         allow_methods=["*"],
         allow_headers=["*"],
     )
+    budget = IngestBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes))
+    app.state.ingest_budget = budget
     app.add_middleware(
         RequestBodyMiddleware,
         max_bytes=settings.max_request_bytes,
+        budget=budget,
+        retry_after_s=settings.retry_after_s,
         on_refused=queue.count_refused,
-    )
-    app.add_middleware(
-        IngestFastLane, max_bytes=settings.max_request_bytes, on_refused=queue.count_refused
     )
 
     @app.exception_handler(HTTPProblem)
     async def _problem(_: Request, exc: HTTPProblem) -> JSONResponse:
         return _problem_response(exc)
-
-    @app.exception_handler(_TooLarge)
-    async def _too_large(_: Request, exc: _TooLarge) -> JSONResponse:
-        queue.count_refused("body_too_large")
-        return _too_large_response(settings.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -525,8 +365,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         ]
         return JSONResponse({"detail": errors}, 422)
 
+    parser = GroupParser(settings.ingest_threads)
+
     @app.on_event("shutdown")
     async def _close_store() -> None:
+        parser.close()
         store.close()
 
     @app.get("/")
@@ -601,43 +444,25 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         except UnknownEnv as exc:
             raise HTTPProblem(404, str(exc), loc, "unknown_env") from None
 
-    # Validation holds the GIL: more than one worker thread doing it at a time only starves the
-    # event loop (and with it /batch), so ingest work runs in a small dedicated pool.
-    ingest_limiter = anyio.CapacityLimiter(settings.ingest_threads)
-
-    async def ingest(raw: bytes, encoding: str, many: bool) -> Response:
-        """Queue the scored group(s) in ``raw``; every outcome is a response, never a raise."""
-        gzipped = "gzip" in encoding.lower()
+    async def ingest(raw: bytes, many: bool) -> Response:
+        """Queue the scored group(s) in ``raw`` (decompressed); every outcome is a response."""
         try:
-            if gzipped:
-                # decompression releases the GIL: done in the shared pool, it overlaps with the
-                # validation of the previous request instead of queueing behind it
-                try:
-                    raw = await run_in_threadpool(gunzip, raw, settings.max_request_bytes)
-                except (OSError, EOFError, _zlib.error):
-                    raise InvalidGzip from None
-            args = (raw, many, False, settings.max_request_bytes)
-            if len(raw) >= _OFFLOAD_BYTES:
-                groups = await anyio.to_thread.run_sync(
-                    prepare_groups, *args, limiter=ingest_limiter
-                )
-                for group in groups:
-                    # Re-home the payload on this thread: bytes allocated by the worker live in
-                    # its malloc arena between its short-lived parse buffers, which then cannot
-                    # be reused (measured: 0.50 MiB RSS per 8x2048 group instead of 0.18).
-                    group.payload = memoryview(group.payload).tobytes()
-            else:
-                groups = prepare_groups(*args)
+            groups = await parser(raw, many)
             if queue.store.durable:
                 results = await run_in_threadpool(queue.add_groups, groups)
             else:
                 results = queue.add_groups(groups)
-        except InvalidGzip:
-            queue.count_refused("bad_gzip")
-            return PlainTextResponse("Invalid gzip payload", status_code=400)
-        except _TooLarge:
-            queue.count_refused("body_too_large")
-            return _too_large_response(settings.max_request_bytes)
+        except ParserGone:
+            queue.count_refused("parser_died")
+            return _problem_response(
+                HTTPProblem(
+                    503,
+                    "the body parser process died (out of memory?) while parsing this request: "
+                    "retry later, or send smaller requests",
+                    kind="parser_died",
+                    headers={"Retry-After": str(max(1, settings.retry_after_s))},
+                )
+            )
         except HTTPProblem as exc:
             queue.count_refused("invalid" if exc.status == 422 else "bad_json")
             return _problem_response(exc)
@@ -686,16 +511,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     @app.post("/scored_data", openapi_extra=scored_schema)
     async def scored_data(request: Request) -> Response:
         """Queue one scored group (``ScoredData``)."""
-        return await ingest(
-            await request.body(), request.headers.get("content-encoding", ""), many=False
-        )
+        return await ingest(await request.body(), many=False)
 
     @app.post("/scored_data_list", openapi_extra=scored_list_schema)
     async def scored_data_list(request: Request) -> Response:
         """Queue several scored groups at once (all or none)."""
-        return await ingest(
-            await request.body(), request.headers.get("content-encoding", ""), many=True
-        )
+        return await ingest(await request.body(), many=True)
 
     @app.get("/batch")
     async def batch(request: Request, ack: int | None = None) -> Response:

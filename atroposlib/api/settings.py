@@ -64,6 +64,13 @@ class ApiSettings(BaseModel):
         description="Largest request body accepted, after gzip decompression (accepts 64M, ...). "
         "Larger bodies get 413.",
     )
+    ingest_budget_bytes: int = Field(
+        512 << 20,
+        ge=1,
+        description="Most bytes of request bodies held at once while they are read, "
+        "decompressed and parsed, over all requests (accepts 512M, ...; at least "
+        "--max-request-bytes). A request that would pass it gets 503 with Retry-After.",
+    )
     retry_after_s: int = Field(
         1, ge=0, description="Seconds sent in Retry-After when the queue is full."
     )
@@ -85,7 +92,7 @@ class ApiSettings(BaseModel):
         "info", description="Server log level."
     )
 
-    @field_validator("max_queue_bytes", "max_request_bytes", mode="before")
+    @field_validator("max_queue_bytes", "max_request_bytes", "ingest_budget_bytes", mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> int:
         return parse_size(value)

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from atroposlib.api.settings import ApiSettings, parse_size
 
-_SIZE_FIELDS = {"max_queue_bytes", "max_request_bytes"}
+_SIZE_FIELDS = {"max_queue_bytes", "max_request_bytes", "ingest_budget_bytes"}
 
 
 def _size_arg(text: str) -> int:
