@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import difflib
 import json
 import logging
@@ -76,9 +77,20 @@ class ResolvedConfig:
     server_configs: ServerBaseline | list[APIServerConfig]
     manager_config: ServerManagerConfig
     yaml_config: dict[str, Any]
+    # More constructor arguments (``teacher_server_configs`` of a TeacherDistillationEnv).
+    extra_env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- parser
+
+
+def _teacher_namespace(env_cls: type) -> str | None:
+    """``teacher`` for envs with a teacher server (``TeacherDistillationEnv``), else None."""
+    if hasattr(env_cls, "teacher_config_init") and hasattr(
+        env_cls, "_resolve_teacher_server_configs"
+    ):
+        return getattr(env_cls, "teacher_namespace", None)
+    return None
 
 
 def _is_bool(annotation: Any) -> bool:
@@ -185,6 +197,15 @@ def build_parser(env_cls: type, defaults: tuple[Any, Any] | None = None) -> argp
             OPENAI_PREFIX,
             openai_defaults,
         )
+        teacher = _teacher_namespace(env_cls)
+        if teacher is not None:
+            teacher_cls, teacher_defaults = _default_openai(env_cls.teacher_config_init())
+            _add_model_flags(
+                cmd.add_argument_group(f"teacher server (--{teacher}.*)"),
+                teacher_cls,
+                f"{teacher}{NAMESPACE_SEP}",
+                teacher_defaults,
+            )
         _add_model_flags(cmd.add_argument_group("server manager"), ServerManagerConfig, "", {})
     return parser
 
@@ -230,9 +251,13 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def _check_yaml_keys(
-    data: Mapping[str, Any], path: str, env_model: type[BaseModel], openai_model: type[BaseModel]
+    data: Mapping[str, Any],
+    path: str,
+    env_model: type[BaseModel],
+    openai_model: type[BaseModel],
+    extra_top: Sequence[str] = (),
 ) -> None:
-    top = (ENV_NAMESPACE, OPENAI_NAMESPACE, *MANAGER_KEYS)
+    top = (ENV_NAMESPACE, OPENAI_NAMESPACE, *MANAGER_KEYS, *extra_top)
     for key in data:
         if key not in top:
             logger.warning(
@@ -309,7 +334,10 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
     yaml_path = getattr(args, "config", None)
     yaml_config = _load_yaml(yaml_path) if yaml_path else {}
     openai_cls, openai_defaults = _default_openai(default_servers)
-    _check_yaml_keys(yaml_config, yaml_path or "", type(default_env), openai_cls)
+    teacher = _teacher_namespace(env_cls)
+    _check_yaml_keys(
+        yaml_config, yaml_path or "", type(default_env), openai_cls, (teacher,) if teacher else ()
+    )
 
     # env: config_init (+ mode overrides) < YAML < CLI
     cli_env = {k[len(ENV_PREFIX) :]: v for k, v in flags.items() if k.startswith(ENV_PREFIX)}
@@ -369,7 +397,23 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
         manager_config = ServerManagerConfig.model_validate(manager_dict)
     except ValidationError as exc:
         raise CliError(_validation_message(exc, "", flags, yaml_config, yaml_path)) from None
-    return ResolvedConfig(args.command, env_config, server_configs, manager_config, yaml_config)
+
+    extra: dict[str, Any] = {}
+    if teacher is not None:
+        teacher_prefix = f"{teacher}{NAMESPACE_SEP}"
+        try:
+            teacher_configs = env_cls._resolve_teacher_server_configs(
+                default_teacher_server_configs=env_cls.teacher_config_init(),
+                yaml_config=yaml_config,
+                cli_passed_flags={k: v for k, v in flags.items() if k.startswith(teacher_prefix)},
+            )
+        except ServerConfigError as exc:
+            raise CliError(f"{teacher}: {exc.message}", exit_code=exc.exit_code) from None
+        if teacher_configs is not None:
+            extra["teacher_server_configs"] = teacher_configs
+    return ResolvedConfig(
+        args.command, env_config, server_configs, manager_config, yaml_config, extra
+    )
 
 
 def _dump_evaluate_config(resolved: ResolvedConfig, directory: str) -> Path:
@@ -422,6 +466,7 @@ def build_env(env_cls: type, resolved: ResolvedConfig) -> Any:
             server_configs=resolved.server_configs,
             slurm=resolved.manager_config.slurm,
             testing=resolved.manager_config.testing,
+            **resolved.extra_env_kwargs,
         )
     finally:
         _SERVER_MANAGER_OPTIONS.reset(token)

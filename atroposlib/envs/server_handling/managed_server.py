@@ -23,9 +23,49 @@ from openai.types.chat.chat_completion import ChatCompletion, ChatCompletionMess
 from openai.types.completion import Completion, CompletionChoice
 from pydantic import BaseModel, PrivateAttr
 
+try:  # openai>=1.99 splits function and custom tool calls
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall as _SdkToolCall
+    from openai.types.chat.chat_completion_message_function_tool_call import (
+        Function as _SdkFunction,
+    )
+except ImportError:  # older openai
+    from openai.types.chat import ChatCompletionMessageToolCall as _SdkToolCall
+    from openai.types.chat.chat_completion_message_tool_call import Function as _SdkFunction
+
 from atroposlib.envs.server_handling.server_baseline import APIServer
 
 logger = logging.getLogger(__name__)
+
+
+class _ItemAccess:
+    """``obj["field"]`` and ``obj.get("field")`` as well as ``obj.field``: upstream attached
+    tool calls to replies as plain dicts, and environments written for it subscript them."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in type(self).model_fields:  # type: ignore[attr-defined]
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]``, or ``default`` for a field it does not have."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields  # type: ignore[attr-defined]
+
+
+class ToolCallFunction(_ItemAccess, _SdkFunction):
+    """The SDK's tool-call ``Function`` (``name``, ``arguments``), also readable as a dict."""
+
+
+class ToolCall(_ItemAccess, _SdkToolCall):
+    """The SDK's function tool call (``id``, ``type``, ``function``), also readable as a dict
+    (``tool_call["function"]["name"]``), as upstream's replies were."""
+
+    function: ToolCallFunction
 
 
 class SequenceNode(BaseModel):
@@ -368,7 +408,9 @@ class ManagedServer:
                 if tool_calls:
                     message["content"] = content
                     finish_reason = parsed_reason
-                    message["tool_calls"] = [_tool_call_dict(tc) for tc in tool_calls]
+                    message["tool_calls"] = [
+                        ToolCall.model_validate(_tool_call_dict(tc)) for tc in tool_calls
+                    ]
             choices.append(
                 Choice(
                     finish_reason=finish_reason,

@@ -177,6 +177,15 @@ class ServerHarness:
         return (prompt_tokens, *rest)
 
     async def get_logprobs(self, **kwargs: Any) -> dict[str, Any]:
-        """The scripted prompt-logprob payload for ``prompt``."""
+        """The scripted prompt-logprob payload for ``prompt``.
+
+        Raises ``NotImplementedError`` when none was scripted for it: upstream's harness had
+        no ``get_logprobs`` at all, and callers test for that error.
+        """
         self.calls.append(("get_logprobs", kwargs))
-        return self._lookup(self.logprobs_map, kwargs.get("prompt"))
+        if kwargs.get("prompt") not in self.logprobs_map:
+            raise NotImplementedError(
+                "ServerHarness does not implement get_logprobs for this prompt: script it "
+                f"with set_logprobs_response() first:\n{kwargs.get('prompt')}"
+            )
+        return self.logprobs_map[kwargs.get("prompt")]
