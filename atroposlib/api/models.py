@@ -9,9 +9,33 @@ empty, and that values are finite. Every problem is reported with the path of th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+#: Longest env name (``desired_name``) accepted by ``/register-env``.
+MAX_NAME_CHARS = 256
+#: Longest other text field of a registration (W&B names, checkpoint path).
+MAX_TEXT_CHARS = 4096
+#: Bounds of registration integers (sizes, steps, intervals): a signed 32-bit int.
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def valid_unicode(value: str) -> str:
+    """``value`` if it can be written as UTF-8; a lone surrogate (``"\\ud800"`` in JSON)
+    cannot, and would break every response and log line that carries it."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text holds a lone surrogate (not valid Unicode)") from None
+    return value
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(valid_unicode)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(valid_unicode)]
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 #: Keys every stored group carries (upstream's 14), in upstream's order.
 GROUP_KEYS: tuple[str, ...] = (
@@ -49,26 +73,28 @@ PER_SEQUENCE_KEYS: tuple[str, ...] = (
 class Registration(BaseModel):
     """``POST /register``: a trainer announces itself and the shape of the batches it wants."""
 
-    wandb_group: str = Field(description="W&B group that environments should log under.")
-    wandb_project: str = Field(description="W&B project that environments should log under.")
-    batch_size: int = Field(description="Number of sequences in each batch handed out.")
-    max_token_len: int = Field(
+    wandb_group: Text = Field(description="W&B group that environments should log under.")
+    wandb_project: Text = Field(description="W&B project that environments should log under.")
+    batch_size: Int32 = Field(description="Number of sequences in each batch handed out.")
+    max_token_len: Int32 = Field(
         description="Longest sequence (in tokens) the trainer accepts; longer ones are refused."
     )
-    checkpoint_dir: str = Field(description="Where the trainer saves checkpoints (echoed to envs).")
-    save_checkpoint_interval: int = Field(description="Steps between trainer checkpoints.")
-    starting_step: int = Field(description="Step to start counting from (resumed runs).")
-    num_steps: int = Field(description="Total number of steps the trainer will take.")
+    checkpoint_dir: Text = Field(
+        description="Where the trainer saves checkpoints (echoed to envs)."
+    )
+    save_checkpoint_interval: Int32 = Field(description="Steps between trainer checkpoints.")
+    starting_step: Int32 = Field(description="Step to start counting from (resumed runs).")
+    num_steps: Int32 = Field(description="Total number of steps the trainer will take.")
 
 
 class RegisterEnv(BaseModel):
     """``POST /register-env``: an environment joins the run."""
 
-    max_token_length: int = Field(description="The environment's generation budget in tokens.")
-    desired_name: str = Field(description="Name prefix; the API appends `_k` to make it unique.")
-    weight: float = Field(description="Relative share of inference capacity for this env.")
-    group_size: int = Field(description="Sequences per group this env sends.")
-    min_batch_allocation: float | None = Field(
+    max_token_length: Int32 = Field(description="The environment's generation budget in tokens.")
+    desired_name: Name = Field(description="Name prefix; the API appends `_k` to make it unique.")
+    weight: Finite = Field(description="Relative share of inference capacity for this env.")
+    group_size: Int32 = Field(description="Sequences per group this env sends.")
+    min_batch_allocation: Finite | None = Field(
         default=None,
         description="Guaranteed fraction (0..1) of every batch reserved for this env's data.",
     )
@@ -189,12 +215,20 @@ def check_group(group: ScoredData) -> None:
     bad = _all_finite(group.scores)
     if bad is not None:
         raise GroupError(("scores", bad), f"scores[{bad}] is not a finite number")
-    for key in ("advantages", "inference_logprobs"):
+    for key in ("advantages", "ref_logprobs", "inference_logprobs"):
         rows = getattr(group, key)
         for i, row in enumerate(rows or ()):
             bad = _all_finite(row)
             if bad is not None:
                 raise GroupError((key, i, bad), f"{key}[{i}][{bad}] is not a finite number")
+    for i, positions in enumerate(group.distill_logprobs or ()):
+        for j, row in enumerate(positions):
+            bad = _all_finite(row)
+            if bad is not None:
+                raise GroupError(
+                    ("distill_logprobs", i, j, bad),
+                    f"distill_logprobs[{i}][{j}][{bad}] is not a finite number",
+                )
 
     if group.distill_token_ids is not None and group.distill_logprobs is not None:
         for i, (ids, lps) in enumerate(

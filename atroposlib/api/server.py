@@ -199,6 +199,10 @@ def _json_bytes(raw: bytes) -> Any:
         raise HTTPProblem(
             400, f"request body is not valid JSON: {exc}", kind="json_invalid"
         ) from None
+    except RecursionError:
+        raise HTTPProblem(
+            400, "request body is not valid JSON: nested too deeply", kind="json_invalid"
+        ) from None
 
 
 def _too_large_response(limit: int, scored_data: bool = True) -> JSONResponse:
@@ -221,12 +225,27 @@ def _busy_response(budget: int, retry_after_s: int) -> JSONResponse:
 
 
 def _json(data: Any) -> Response:
-    """A JSON response serialised with orjson (skips FastAPI's response encoding)."""
-    return Response(orjson.dumps(data), media_type="application/json")
+    """A JSON response serialised with orjson (skips FastAPI's response encoding).
+
+    Text that is not valid Unicode (a lone surrogate, left in a store written before such
+    input was refused) falls back to Python's json module, which writes it as an escape.
+    """
+    try:
+        body = orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        body = json.dumps(data).encode()
+    return Response(body, media_type="application/json")
 
 
 def _problem_response(problem: HTTPProblem) -> JSONResponse:
     return JSONResponse({"detail": problem.detail}, problem.status, headers=problem.headers)
+
+
+def _label(value: Any) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped as the text format
+    requires, and text that is not valid Unicode (a lone surrogate) written as escapes."""
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _prometheus(m: dict[str, Any]) -> str:
@@ -261,13 +280,13 @@ def _prometheus(m: dict[str, Any]) -> str:
         "refused_groups_total",
         "counter",
         "Groups (or requests) refused, by reason.",
-        [(f'{{reason="{k}"}}', v) for k, v in sorted(m["refused"].items())],
+        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["refused"].items())],
     )
     metric(
         "dropped_groups_total",
         "counter",
         "Accepted groups dropped later, by reason.",
-        [(f'{{reason="{k}"}}', v) for k, v in sorted(m["dropped"].items())],
+        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["dropped"].items())],
     )
     metric("batches_served_total", "counter", "Batches handed out.", [("", m["batches_served"])])
     metric(
@@ -288,7 +307,9 @@ def _prometheus(m: dict[str, Any]) -> str:
         "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
         [("", m["redelivered_batches"])],
     )
-    env_samples = [(f'{{env_id="{e["env_id"]}",name="{e["name"]}"}}', e) for e in m["envs"]]
+    env_samples = [
+        (f'{{env_id="{_label(e["env_id"])}",name="{_label(e["name"])}"}}', e) for e in m["envs"]
+    ]
     metric(
         "env_queued_sequences",
         "gauge",
@@ -407,8 +428,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             return JSONResponse({"status": "failure", "error": str(exc)}, 404)
 
     @app.get("/wandb_info")
-    async def wandb_info() -> dict[str, Any]:
-        return queue.wandb_info()
+    async def wandb_info() -> Response:
+        return _json(queue.wandb_info())
 
     @app.get("/info")
     async def info() -> dict[str, int]:
@@ -566,7 +587,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         """
         snapshot = queue.metrics()
         if format == "json":
-            return Response(orjson.dumps(snapshot), media_type="application/json")
+            return _json(snapshot)
         if format != "prometheus":
             raise HTTPProblem(422, "format must be prometheus or json", ("query", "format"))
         return PlainTextResponse(_prometheus(snapshot), media_type="text/plain; version=0.0.4")

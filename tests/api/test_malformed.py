@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.helpers import add_env, group, registration, start_run, tags
+from tests.api.helpers import add_env, env_registration, group, registration, start_run, tags
 
 ENV = 0  # the env registered by the fixture below
 
@@ -335,6 +335,199 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "unknown env_id 5",
     ),
     ("disconnect no body", "POST", "/disconnect-env", {}, 422, "body"),
+    # values JSON can carry but a 64-bit JSON encoder (orjson, the trainer's) cannot
+    (
+        "token >= 2**64",
+        "POST",
+        "/scored_data",
+        _raw(b'{"tokens":[[18446744073709551616]],"masks":[[1]],"scores":[1]}'),
+        422,
+        "tokens[0][0] is an integer outside the 64-bit range",
+    ),
+    (
+        "mask < -2**63",
+        "POST",
+        "/scored_data",
+        _raw(b'{"tokens":[[1]],"masks":[[-9223372036854775809]],"scores":[1]}'),
+        422,
+        "masks[0][0]",
+    ),
+    (
+        "env_id >= 2**64",
+        "POST",
+        "/scored_data",
+        _raw(b'{"tokens":[[1]],"masks":[[1]],"scores":[1],"env_id":99999999999999999999999}'),
+        422,
+        "env_id",
+    ),
+    (
+        "huge int in group_overrides",
+        "POST",
+        "/scored_data_list",
+        {"json": [_group(group_overrides={"seed": 2**70})]},
+        422,
+        "group_overrides['seed']",
+    ),
+    (
+        "lone surrogate in messages",
+        "POST",
+        "/scored_data",
+        _raw(
+            b'{"tokens":[[1]],"masks":[[1]],"scores":[1],'
+            b'"messages":[[{"role":"user","content":"a\\ud800"}]]}'
+        ),
+        400,
+        "hex escape",
+    ),
+    (
+        "NaN in generation_params",
+        "POST",
+        "/scored_data",
+        _raw(b'{"tokens":[[1]],"masks":[[1]],"scores":[1],"generation_params":{"t":NaN}}'),
+        422,
+        "generation_params['t'] is not a finite number",
+    ),
+    (
+        "NaN ref_logprobs",
+        "POST",
+        "/scored_data",
+        _raw(b'{"tokens":[[1]],"masks":[[1]],"scores":[1],"ref_logprobs":[[NaN]]}'),
+        422,
+        "ref_logprobs[0][0] is not a finite",
+    ),
+    (
+        "NaN distill_logprobs",
+        "POST",
+        "/scored_data",
+        _raw(
+            b'{"tokens":[[1]],"masks":[[1]],"scores":[1],"distill_token_ids":[[[1,2]]],'
+            b'"distill_logprobs":[[[0.0,NaN]]]}'
+        ),
+        422,
+        "distill_logprobs[0][0][1] is not a finite",
+    ),
+    (
+        "deeply nested list",
+        "POST",
+        "/scored_data_list",
+        _raw(b"[" * 5000 + b"]" * 5000),
+        400,
+        "not valid JSON",
+    ),
+    (
+        "status-env deeply nested",
+        "POST",
+        "/status-env",
+        _raw(b'{"env_id":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+        400,
+        "nested too deeply",
+    ),
+    (
+        "status-env GET deeply nested",
+        "GET",
+        "/status-env",
+        _raw(b"[" * 100_000 + b"]" * 100_000),
+        400,
+        "not valid JSON",
+    ),
+    ("status-env NaN id", "POST", "/status-env", _raw(b'{"env_id":NaN}'), 422, "integer"),
+    (
+        "status-env huge query id",
+        "GET",
+        "/status-env",
+        {"params": {"env_id": "9" * 40}},
+        404,
+        "unknown env_id",
+    ),
+    (
+        "disconnect huge id",
+        "POST",
+        "/disconnect-env",
+        {"json": {"env_id": 2**70}},
+        404,
+        "unknown env_id",
+    ),
+    (
+        "register deeply nested",
+        "POST",
+        "/register",
+        _raw(b"[" * 100_000 + b"]" * 100_000),
+        400,
+        "error parsing the body",
+    ),
+    (
+        "register batch 1e30",
+        "POST",
+        "/register",
+        {"json": registration(batch_size=1e30)},
+        422,
+        "batch_size",
+    ),
+    (
+        "register starting_step 1e30",
+        "POST",
+        "/register",
+        {"json": registration(starting_step=1e30)},
+        422,
+        "starting_step",
+    ),
+    (
+        "register num_steps 2**64",
+        "POST",
+        "/register",
+        {"json": registration(num_steps=2**64)},
+        422,
+        "num_steps",
+    ),
+    (
+        "register surrogate project",
+        "POST",
+        "/register",
+        _raw(json.dumps(registration(wandb_project="a\ud800")).encode()),
+        422,
+        "wandb_project",
+    ),
+    (
+        "register-env surrogate name",
+        "POST",
+        "/register-env",
+        _raw(json.dumps(env_registration(name="a\ud800")).encode()),
+        422,
+        "desired_name",
+    ),
+    (
+        "register-env long name",
+        "POST",
+        "/register-env",
+        {"json": env_registration(name="n" * 257)},
+        422,
+        "desired_name",
+    ),
+    (
+        "register-env NaN weight",
+        "POST",
+        "/register-env",
+        _raw(json.dumps(env_registration(weight=float("nan"))).encode()),
+        422,
+        "weight",
+    ),
+    (
+        "register-env inf allocation",
+        "POST",
+        "/register-env",
+        _raw(json.dumps(env_registration(min_batch_allocation=float("inf"))).encode()),
+        422,
+        "min_batch_allocation",
+    ),
+    (
+        "register-env huge length",
+        "POST",
+        "/register-env",
+        {"json": env_registration(max_token_length=2**64)},
+        422,
+        "max_token_length",
+    ),
+    ("metrics bad format", "GET", "/metrics?format=%ED%A0%80", {}, 422, "format"),
     ("wrong method", "POST", "/batch", {}, 405, "Method Not Allowed"),
     ("unknown path", "GET", "/nope", {}, 404, "Not Found"),
 ]
