@@ -1,36 +1,72 @@
-"""Run untrusted Python code with OS-level limits, and say why it stopped.
+"""Run untrusted Python code with OS-level containment and limits, and say why it stopped.
 
 :func:`run_python` writes the program into a fresh temporary directory and runs it in a child
-process that, before any untrusted code runs (see ``_sandbox_launcher.py``):
+process that isolates itself before any untrusted code runs (``_sandbox_launcher.py``).
 
-- **time**: ``RLIMIT_CPU`` plus a wall-clock deadline after which the whole process group (and,
-  under root, every process of the sandbox uid) is SIGKILLed;
-- **memory**: ``RLIMIT_AS``;
-- **processes**: ``RLIMIT_NPROC``; the child leads its own session, killed as a whole at the end.
-  Root ignores ``RLIMIT_NPROC``, so when we run as root the child drops to a fresh, unused uid
-  (one per run), which makes the limit hold and lets cleanup kill every process of that uid;
-- **files**: ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE``; the working directory is a throwaway temp
-  dir (removed afterwards); as root the child gets a private mount namespace in which every
-  mount except that directory is read-only; an audit hook also refuses writes outside it;
-- **network**: a new, empty network namespace (no interfaces up) where the kernel allows it
-  (root, or unprivileged user namespaces), and in every case an audit hook refusing
-  ``connect``/``bind``/``sendto`` (the hook alone can be bypassed with ``ctypes``; the result's
-  ``isolation`` says which layers applied);
-- **environment**: a sanitized ``os.environ`` (PATH, HOME and TMPDIR point into the temp dir).
+Strong containment (the default; the same as root and as an unprivileged user)
+-------------------------------------------------------------------------------
+Needs Linux namespaces: as root they are always there; as any other user the kernel must allow
+unprivileged user namespaces (``unshare -Ur true`` works). The program then runs:
+
+- in **its own PID namespace**, whose PID 1 is the sandbox's init: when the program's main
+  process exits, the run times out, or the parent kills it, the init exits and the kernel kills
+  every process left in the namespace, ``setsid``/double-forked daemons included;
+- on **a private root filesystem**: a tmpfs holding read-only binds of ``/usr``, ``/etc``, the
+  library directories, ``/opt`` and the interpreter's prefixes, five device nodes (``null``,
+  ``zero``, ``full``, ``random``, ``urandom``), a fresh ``/proc`` of its own PID namespace, and
+  **one tmpfs of ``max_disk_bytes``** mounted at ``/tmp``, ``/var/tmp`` and ``/dev/shm``. The
+  host's ``/tmp``, ``/dev/shm``, ``/home``, ``/root``, ``/run``, the project and everything else
+  are not there; nothing the program writes (from Python, a shell or raw syscalls) reaches the
+  host, and all its writes together are capped. Its work directory is ``/tmp/<name>`` (``HOME``
+  and ``TMPDIR`` point there);
+- with **no network** (an empty network namespace) unless ``network=True``, its own IPC and UTS
+  namespaces, **no capabilities**, ``no_new_privs``, and new user namespaces forbidden;
+- as root additionally under a fresh, unused uid (one per run), so it owns nothing on the host;
+- **processes**: ``RLIMIT_NPROC`` inside its own user namespace, so the count is the sandbox's
+  own (threads count), plus a ``pids`` cgroup where one is writable (root, cgroup v1 or v2);
+  hitting the cap is reported as ``process_limit`` even when the program ignores the errors;
+- **memory**: ``RLIMIT_AS`` per process, and a **total** of ``memory_bytes`` for the whole sandbox
+  (its processes plus its tmpfs): a ``memory`` cgroup (``memory.max`` /
+  ``memory.limit_in_bytes``, swap included) where one is writable, which is the case under root
+  on cgroup v1 and on cgroup v2 with the controller delegated; otherwise the init polls every
+  process's resident anonymous and shared memory, System V shared memory and the tmpfs every
+  50 ms and kills the whole sandbox when the sum is over. The polled cap can be overshot for up
+  to one polling interval (a few hundred MB at most, bounded by ``RLIMIT_AS`` per process), and
+  kernel memory (page tables, socket buffers, pipes) is not counted: use a cgroup for a hard cap;
+- **time**: ``RLIMIT_CPU`` per process and a wall-clock deadline; **files**: ``RLIMIT_FSIZE``
+  (per file) and ``RLIMIT_NOFILE``; **environment**: a sanitized ``os.environ``.
+
+What it does not do: no seccomp filter (the whole syscall surface of the kernel is reachable, as
+in an unprivileged container: a kernel exploit escapes it), the read-only binds are readable
+(``/etc/passwd``, the Python installation), and CPU time is limited per process, not in total.
+
+Weak containment (only on request)
+----------------------------------
+Where the namespaces cannot be created (unprivileged user namespaces disabled, a seccomp profile
+refusing ``unshare``, an AppArmor user-namespace restriction), :func:`run_python` **refuses** with
+:class:`SandboxUnavailable` explaining why, unless weaker containment is allowed explicitly with
+``SandboxLimits(allow_weak_isolation=True)`` or the environment variable
+``ATROPOS_SANDBOX_ALLOW_WEAK=1``; then it logs one warning per process and runs with rlimits,
+a uid drop and read-only mounts under root, an empty network namespace where possible, and a
+Python audit hook refusing network access and writes outside the work directory. Under a
+non-root user that mode does **not** contain files (shell and ``ctypes`` bypass the hook),
+``setsid`` children can survive, ``RLIMIT_NPROC`` counts every process of the user host-wide,
+and memory is per process. The result's ``isolation`` lists the layers that applied (``weak`` is
+the first one in that mode).
 
 The result's :attr:`SandboxResult.status` says what happened: ``ok``, ``error`` (non-zero exit),
-``timeout`` (wall clock), ``cpu_limit``, ``memory_limit``, ``process_limit``, ``file_limit``,
-``output_limit`` or ``blocked`` (a refused network or filesystem access), with a one-line
-``reason``.
+``timeout`` (wall clock), ``cpu_limit``, ``memory_limit`` (a process or the total), ``process_limit``,
+``file_limit`` (file size or the disk quota), ``output_limit`` or ``blocked`` (a refused network or
+filesystem access), with a one-line ``reason``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
-import secrets
 import selectors
 import shutil
 import signal
@@ -45,12 +81,25 @@ from typing import Literal
 __all__ = [
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "arun_python",
     "default_interpreter",
     "run_python",
 ]
 
 _LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
+_UNAVAILABLE_EXIT = 97
+ALLOW_WEAK_ENV = "ATROPOS_SANDBOX_ALLOW_WEAK"
+logger = logging.getLogger(__name__)
+
+# Why strong containment failed in this process (probed by the first run), or None.
+_strong_unavailable: str | None = None
+_warned_weak = False
+
+
+class SandboxUnavailable(RuntimeError):
+    """Strong containment cannot be set up on this host and weaker containment was not allowed."""
+
 
 Status = Literal[
     "ok",
@@ -68,7 +117,14 @@ Status = Literal[
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits for one sandboxed run (all enforced by the kernel except ``wall_time_s``
-    and ``max_output_bytes``, which the parent enforces)."""
+    and ``max_output_bytes``, which the parent enforces, and the total of ``memory_bytes`` where
+    no memory cgroup is available, which the sandbox's init enforces by polling).
+
+    ``memory_bytes`` caps each process's address space and the whole sandbox's memory (tmpfs
+    included); ``max_disk_bytes`` caps everything written (``/tmp``, ``/var/tmp``, ``/dev/shm``
+    and the work directory share it); ``max_processes`` counts the program's processes and
+    threads. ``allow_weak_isolation`` lets :func:`run_python` fall back to weak containment
+    (module docstring) instead of raising :class:`SandboxUnavailable`."""
 
     wall_time_s: float = 10.0
     cpu_time_s: int = 10
@@ -78,6 +134,8 @@ class SandboxLimits:
     max_open_files: int = 64
     max_output_bytes: int = 1024 * 1024
     network: bool = False
+    max_disk_bytes: int = 64 * 1024 * 1024
+    allow_weak_isolation: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +146,7 @@ class SandboxLimits:
             "max_file_bytes",
             "max_open_files",
             "max_output_bytes",
+            "max_disk_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -158,34 +217,179 @@ def _kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
+def _killpg(pid: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if uid is not None:
-        _kill_uid(uid)
+
+
+def _read_counter(path: Path, key: str) -> int:
+    """``key N`` from a cgroup ``*.events`` / ``memory.oom_control`` file; 0 if absent."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class _Cgroups:
+    """The run's own memory and pids cgroups (root only; cgroup v2, or v1 controllers), made
+    under the cgroups this process is in. Absent pieces are simply not used."""
+
+    def __init__(self, limits: SandboxLimits, name: str) -> None:
+        self.dirs: list[Path] = []
+        self.memory: Path | None = None
+        self.pids: Path | None = None
+        self.v2 = False
+        own: dict[str, str] = {}
+        try:
+            for line in Path("/proc/self/cgroup").read_text().splitlines():
+                _, controllers, path = line.split(":", 2)
+                for controller in controllers.split(",") if controllers else [""]:
+                    own[controller] = path
+        except (OSError, ValueError):
+            return
+        base = Path("/sys/fs/cgroup")
+        if (base / "cgroup.controllers").exists() and "" in own:  # pure cgroup v2
+            self._v2(base / own[""].lstrip("/"), limits, name)
+            return
+        for controller in ("memory", "pids"):
+            parent = base / controller / own.get(controller, "/").lstrip("/")
+            if controller in own and parent.is_dir():
+                self._v1(controller, parent, limits, name)
+
+    def _v2(self, parent: Path, limits: SandboxLimits, name: str) -> None:
+        group = parent / name
+        try:
+            group.mkdir()
+        except OSError:
+            return
+        self.dirs.append(group)
+        self.v2 = True
+        if not (group / "memory.max").exists() or not (group / "pids.max").exists():
+            try:
+                (parent / "cgroup.subtree_control").write_text("+memory +pids")
+            except OSError:
+                pass
+        try:
+            if (group / "memory.max").exists():
+                (group / "memory.max").write_text(str(limits.memory_bytes))
+                if (group / "memory.swap.max").exists():
+                    (group / "memory.swap.max").write_text("0")
+                self.memory = group
+            if (group / "pids.max").exists():
+                (group / "pids.max").write_text(str(limits.max_processes + 1))
+                self.pids = group
+        except OSError:
+            self.memory = self.pids = None
+
+    def _v1(self, controller: str, parent: Path, limits: SandboxLimits, name: str) -> None:
+        group = parent / name
+        try:
+            group.mkdir()
+        except OSError:
+            return
+        self.dirs.append(group)
+        try:
+            if controller == "memory":
+                (group / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+                if (group / "memory.memsw.limit_in_bytes").exists():
+                    (group / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
+                self.memory = group
+            else:
+                (group / "pids.max").write_text(str(limits.max_processes + 1))
+                self.pids = group
+        except OSError:
+            pass
+
+    @property
+    def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` files the sandbox's init joins."""
+        return [str(d / "cgroup.procs") for d in self.dirs if d in (self.memory, self.pids)]
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for the memory limit."""
+        if self.memory is None:
+            return 0
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        return _read_counter(self.memory / name, "oom_kill")
+
+    def pids_refused(self) -> int:
+        """Forks refused by ``pids.max``."""
+        return _read_counter(self.pids / "pids.events", "max") if self.pids else 0
+
+    def remove(self) -> None:
+        """Kill whatever is left in the groups and remove them."""
+        for group in self.dirs:
+            if self.v2 and (group / "cgroup.kill").exists():
+                try:
+                    (group / "cgroup.kill").write_text("1")
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 2.0
+            while True:
+                try:
+                    for pid in (group / "cgroup.procs").read_text().split():
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except (ProcessLookupError, ValueError):
+                            pass
+                    group.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        logger.warning("sandbox: could not remove cgroup %s", group)
+                        break
+                    time.sleep(0.02)
 
 
 def _classify(
-    returncode: int | None, stderr: str, limits: SandboxLimits, timed_out: bool, cpu_s: float
+    returncode: int | None,
+    stderr: str,
+    limits: SandboxLimits,
+    timed_out: bool,
+    cpu_s: float,
+    report: dict,
 ) -> tuple[Status, str]:
     tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    if report.get("memory_exceeded"):
+        return (
+            "memory_limit",
+            f"the sandbox's total memory went over {limits.memory_bytes} bytes; all killed",
+        )
+    if report.get("oom_kills"):
+        return (
+            "memory_limit",
+            f"total memory limit of {limits.memory_bytes} bytes reached: "
+            f"{report['oom_kills']} process(es) killed",
+        )
+    if returncode == -signal.SIGXCPU or (
+        not timed_out and returncode == -signal.SIGKILL and cpu_s >= limits.cpu_time_s - 0.5
+    ):
+        return "cpu_limit", f"CPU-time limit of {limits.cpu_time_s}s reached"
+    limit_hit = report.get("process_limit_hit") or report.get("pids_refused")
+    forks_refused = "BlockingIOError" in stderr and (
+        "fork" in stderr or "Resource temporarily" in stderr
+    )
+    if (limit_hit and returncode != 0) or forks_refused:
+        return "process_limit", f"process limit of {limits.max_processes} reached ({tail})"
     if timed_out:
         return (
             "timeout",
-            f"wall-clock limit of {limits.wall_time_s:g}s reached; process group killed",
+            f"wall-clock limit of {limits.wall_time_s:g}s reached; every process killed",
         )
-    if returncode == -signal.SIGXCPU or (
-        returncode == -signal.SIGKILL and cpu_s >= limits.cpu_time_s - 0.5
-    ):
-        return "cpu_limit", f"CPU-time limit of {limits.cpu_time_s}s reached"
     if returncode == -signal.SIGXFSZ or "File too large" in stderr:
         return "file_limit", f"file-size limit of {limits.max_file_bytes} bytes reached"
+    if "No space left on device" in stderr:
+        return "file_limit", f"disk quota of {limits.max_disk_bytes} bytes reached ({tail})"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory_limit", f"memory limit of {limits.memory_bytes} bytes reached ({tail})"
-    if "BlockingIOError" in stderr and ("fork" in stderr or "Resource temporarily" in stderr):
-        return "process_limit", f"process limit of {limits.max_processes} reached ({tail})"
     if (
         "sandbox: " in stderr
         or "Read-only file system" in stderr
@@ -199,6 +403,10 @@ def _classify(
     return "error", tail or f"exit status {returncode}"
 
 
+def _weak_allowed(limits: SandboxLimits) -> bool:
+    return limits.allow_weak_isolation or os.environ.get(ALLOW_WEAK_ENV, "") not in ("", "0")
+
+
 def run_python(
     code: str,
     *,
@@ -210,12 +418,58 @@ def run_python(
 ) -> SandboxResult:
     """Run ``code`` as ``__main__`` in the sandbox and return what happened (never raises for
     anything the program does). ``files`` are extra files written into its work directory;
-    ``python`` overrides the interpreter (default: :func:`default_interpreter`)."""
+    ``python`` overrides the interpreter (default: :func:`default_interpreter`).
+
+    Raises :class:`SandboxUnavailable` when strong containment cannot be set up here and weak
+    containment is not allowed (see the module docstring)."""
+    global _strong_unavailable, _warned_weak
     limits = limits or SandboxLimits()
+    if _strong_unavailable is None:
+        result = _run(code, stdin, limits, files, args, python, "strong")
+        if isinstance(result, SandboxResult):
+            return result
+        _strong_unavailable = result
+    if not _weak_allowed(limits):
+        raise SandboxUnavailable(
+            f"the code sandbox cannot contain programs on this host ({_strong_unavailable}). "
+            "Run as root, or allow unprivileged user namespaces (sysctl "
+            "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0; on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0), or accept weaker containment with "
+            f"SandboxLimits(allow_weak_isolation=True) or {ALLOW_WEAK_ENV}=1"
+        )
+    if not _warned_weak:
+        _warned_weak = True
+        logger.warning(
+            "code sandbox: strong containment unavailable (%s); running with WEAK containment "
+            "(rlimits and an audit hook; files, detached processes and total memory are not "
+            "contained without root), as allowed by %s",
+            _strong_unavailable,
+            "allow_weak_isolation" if limits.allow_weak_isolation else ALLOW_WEAK_ENV,
+        )
+    result = _run(code, stdin, limits, files, args, python, "weak")
+    assert isinstance(result, SandboxResult)
+    return result
+
+
+def _run(
+    code: str,
+    stdin: str | None,
+    limits: SandboxLimits,
+    files: dict[str, str] | None,
+    args: list[str] | None,
+    python: str | None,
+    mode: str,
+) -> SandboxResult | str:
+    """One run in ``mode``; a string (why) when strong containment could not be set up."""
     workdir = tempfile.mkdtemp(prefix="atropos-sandbox-")
     workdir = os.path.realpath(workdir)
     uid = random.randrange(1 << 20, 1 << 30) if os.geteuid() == 0 else None
-    nonce = secrets.token_hex(8)
+    cgroups = (
+        _Cgroups(limits, os.path.basename(workdir))
+        if uid is not None and mode == "strong"
+        else None
+    )
+    status_r, status_w = os.pipe()
     try:
         program = Path(workdir, "main.py")
         program.write_text(code)
@@ -231,17 +485,21 @@ def run_python(
                     os.chown(os.path.join(root, name), uid, uid)
             os.chown(workdir, uid, uid)
         config = {
+            "mode": mode,
             "workdir": workdir,
             "uid": uid,
-            "nonce": nonce,
-            "program": str(program),
+            "status_fd": status_w,
+            "program": "main.py",
             "args": list(args or []),
             "network": limits.network,
             "cpu_time_s": int(limits.cpu_time_s),
             "memory_bytes": int(limits.memory_bytes),
+            "max_disk_bytes": int(limits.max_disk_bytes),
             "max_file_bytes": int(limits.max_file_bytes),
             "max_open_files": int(limits.max_open_files),
             "max_processes": int(limits.max_processes),
+            "cgroup_procs": cgroups.procs_files if cgroups else [],
+            "memory_cgroup": bool(cgroups and cgroups.memory),
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -267,7 +525,10 @@ def run_python(
             cwd=workdir,
             env=env,
             start_new_session=True,
+            pass_fds=(status_w,),
         )
+        os.close(status_w)
+        status_w = -1
         if stdin is not None:
             try:
                 assert proc.stdin is not None
@@ -283,22 +544,43 @@ def run_python(
         except ChildProcessError:
             proc.wait()
             cpu_s = 0.0
-        _kill_all(proc, uid)
+        _killpg(proc.pid)
+        if mode == "weak" and uid is not None:
+            _kill_uid(uid)
         wall = time.monotonic() - start
+        report: dict = {}
+        with os.fdopen(status_r, "rb") as fh:
+            status_r = -1
+            os.set_blocking(fh.fileno(), False)
+            for line in (fh.read() or b"").splitlines():
+                try:
+                    report.update(json.loads(line))
+                except ValueError:
+                    pass
+        if "unavailable" in report:
+            return str(report["unavailable"])
+        returncode = report.get("returncode", proc.returncode)
+        if returncode == _UNAVAILABLE_EXIT and "isolation" not in report and mode == "strong":
+            return f"the sandbox launcher exited before isolating ({err.decode(errors='replace').strip()[-300:]})"
+        cpu_s = max(cpu_s, float(report.get("cpu_s", 0.0)))
+        if cgroups is not None:
+            report["oom_kills"] = cgroups.oom_kills()
+            report["pids_refused"] = cgroups.pids_refused()
         stdout = out.decode(errors="replace")
         stderr = err.decode(errors="replace")
-        isolation: list[str] = []
-        first, _, rest = stderr.partition("\n")
-        if first.startswith(nonce):
-            isolation = first[len(nonce) :].strip().split(",")
-            stderr = rest
         if overflow:
             status: Status = "output_limit"
-            reason = f"output over {limits.max_output_bytes} bytes; process group killed"
+            reason = f"output over {limits.max_output_bytes} bytes; every process killed"
         else:
-            status, reason = _classify(proc.returncode, stderr, limits, timed_out, cpu_s)
-        return SandboxResult(status, proc.returncode, stdout, stderr, wall, reason, isolation)
+            status, reason = _classify(returncode, stderr, limits, timed_out, cpu_s, report)
+        isolation = list(report.get("isolation", []))
+        return SandboxResult(status, returncode, stdout, stderr, wall, reason, isolation)
     finally:
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                os.close(fd)
+        if cgroups is not None:
+            cgroups.remove()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -324,10 +606,7 @@ def _collect(
             break
         if main_exited_at is None and proc.poll() is not None:
             main_exited_at = now
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _killpg(proc.pid)
         elif main_exited_at is not None and now - main_exited_at > 1.0:
             break
         for key, _ in sel.select(timeout=min(0.1, deadline - now)):
@@ -342,10 +621,7 @@ def _collect(
             break
     sel.close()
     if timed_out or overflow:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _killpg(proc.pid)
     for stream in buffers:
         stream.close()
     cap = limits.max_output_bytes

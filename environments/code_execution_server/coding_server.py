@@ -7,7 +7,8 @@ next to this file, ``--env.mbpp_path`` reads a local MBPP JSONL). Training draws
 
 The model's last fenced ```python block (or its raw text) is tested with
 :func:`atroposlib.scoring.code.run_tests`, which runs it in :mod:`atroposlib.scoring.sandbox`
-(CPU/memory/process/file limits, no network, throwaway directory, whole process group killed).
+(own PID, mount and network namespaces: a private read-only root with a size-capped /tmp, every
+process killed at the end, total memory/process/disk caps; the guarantees: docs/compat.md).
 Reward: ``2 * passed / total - 1`` (1.0 all tests pass, -1.0 none / no code / crash).
 
     python environments/code_execution_server/coding_server.py evaluate \\

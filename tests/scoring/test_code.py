@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import secrets
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,24 @@ def test_no_tests_is_an_error() -> None:
 def test_humaneval_tests_needs_check() -> None:
     with pytest.raises(ValueError, match="def check"):
         humaneval_tests("def other(candidate):\n    assert True")
+
+
+def test_hostile_candidate_is_contained_and_reported() -> None:
+    """A candidate that drops a file in /tmp and fork-bombs while its tests run: the file stays
+    in the sandbox, the bomb is reported as the process limit, and no process survives."""
+    name = f"atropos-candidate-{secrets.token_hex(6)}"
+    program = (
+        "import os, subprocess\n"
+        f"subprocess.run('echo x > /tmp/{name}', shell=True)\n"
+        "def add(a, b):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            os.fork()\n"
+        "        except OSError:\n"
+        "            pass\n"
+    )
+    limits = SandboxLimits(wall_time_s=3, cpu_time_s=2, max_processes=8)
+    report = run_tests(program, ["assert add(1, 2) == 3"], limits=limits)
+    assert report.status == "process_limit", report
+    assert report.results == [None]
+    assert not Path("/tmp", name).exists()
