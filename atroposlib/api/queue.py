@@ -72,6 +72,7 @@ class QueueLimits:
     max_sequences: int = 1_000_000
     max_bytes: int = 1 << 30
     retry_after_s: int = 1
+    max_envs: int = 1024
 
 
 @dataclass(slots=True)
@@ -302,6 +303,14 @@ class TrajectoryQueue:
         with self._lock:
             if not self.started:
                 return {"status": "wait for trainer to start"}
+            if len(self.envs) >= self.limits.max_envs:
+                raise Refused(
+                    "too_many_envs",
+                    f"{len(self.envs)} envs registered in this run, the limit (run-api "
+                    "--max-envs; disconnected envs count too, as env ids are never reused): "
+                    "/reset_data starts a new run",
+                    status=409,
+                )
             same_name = sum(1 for e in self.envs if e["desired_name"] == req.desired_name)
             env_id = len(self.envs)
             record = {

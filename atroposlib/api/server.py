@@ -345,6 +345,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             max_sequences=settings.max_queue_sequences,
             max_bytes=settings.max_queue_bytes,
             retry_after_s=settings.retry_after_s,
+            max_envs=settings.max_envs,
         ),
     )
 
@@ -418,7 +419,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 "min_batch_allocation must be between 0 and 1",
                 ("body", "min_batch_allocation"),
             )
-        return await run_in_threadpool(queue.register_env, register_env)
+        try:
+            return await run_in_threadpool(queue.register_env, register_env)
+        except Refused as exc:
+            queue.count_refused(exc.reason)
+            raise HTTPProblem(exc.status, exc.message, ("body",), exc.reason) from None
 
     @app.post("/disconnect-env")
     async def disconnect_env(body: EnvIdentifier) -> Any:

@@ -71,6 +71,13 @@ class ApiSettings(BaseModel):
         "decompressed and parsed, over all requests (accepts 512M, ...; at least "
         "--max-request-bytes). A request that would pass it gets 503 with Retry-After.",
     )
+    max_envs: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="Most envs a run can register (disconnected ones count: env ids are never "
+        "reused). Past it, /register-env gets 409 until /reset_data.",
+    )
     retry_after_s: int = Field(
         1, ge=0, description="Seconds sent in Retry-After when the queue is full."
     )
