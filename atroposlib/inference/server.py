@@ -9,11 +9,12 @@ upstream's ``VLLMServer``) and ``POST /reload_weights``. Every error body has Op
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -23,7 +24,9 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from atroposlib.inference.engine import (
     EngineError,
@@ -140,15 +143,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        if state.api_key and request.url.path != "/health":
-            supplied = request.headers.get("authorization", "")
-            if supplied != f"Bearer {state.api_key}":
-                return APIError(
-                    401, "invalid or missing API key", code="invalid_api_key"
-                ).response()
-        return await call_next(request)
+    # A plain ASGI middleware: ``@app.middleware("http")`` (BaseHTTPMiddleware) hands the
+    # route a receive channel that never reports the client going away, so generation went on
+    # for clients long gone.
+    app.add_middleware(_Guard, state=state)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -386,6 +384,37 @@ def create_app(state: ServerState) -> FastAPI:
             return state.last_reload
 
     return app
+
+
+# ---------------------------------------------------------------------- middleware
+
+
+class _Guard:
+    """Checks every HTTP request before the routes see it: the API key (all paths but
+    ``/health``).
+
+    Pure ASGI (no ``BaseHTTPMiddleware``): ``receive`` reaches the route untouched, so
+    ``Request.is_disconnected()`` and streaming responses see a client disconnect and the
+    request's sequences are aborted.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        key = self.state.api_key
+        if key and scope["path"] != "/health":
+            supplied = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
+                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------- helpers
