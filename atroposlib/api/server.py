@@ -51,6 +51,7 @@ from atroposlib.api.queue import (
 )
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
+from atroposlib.utils.http_security import HttpSecurityMiddleware, loopback_hosts
 
 try:  # Intel ISA-L: 4x faster gzip than zlib, same format
     from isal import igzip as _gzip
@@ -66,6 +67,9 @@ logger = logging.getLogger("atroposlib.api")
 #: Responses smaller than this are never gzipped (upstream's GZipMiddleware minimum_size).
 _GZIP_MINIMUM = 1000
 
+#: GET endpoints that change state (upstream's trainers call them with GET): refused to web pages
+#: of other origins.
+STATE_CHANGING_GETS = frozenset({"/batch", "/reset_data"})
 #: Endpoints that take scored groups.
 INGEST_PATHS = frozenset({"/scored_data", "/scored_data_list"})
 _SELF_ENCODED_PATHS = INGEST_PATHS | {"/batch"}
@@ -224,6 +228,11 @@ def _busy_response(budget: int, retry_after_s: int) -> JSONResponse:
     )
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated flag value as a list of its non-empty items."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _json(data: Any) -> Response:
     """A JSON response serialised with orjson (skips FastAPI's response encoding).
 
@@ -357,13 +366,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
 
     app.add_middleware(SkipPrecompressedGZip, minimum_size=_GZIP_MINIMUM)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=["*"],
-        allow_credentials=True,
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    origins = _names(settings.cors_allow_origin)
+    if origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_credentials=settings.cors_credentials,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     budget = IngestBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes))
     app.state.ingest_budget = budget
     app.add_middleware(
@@ -372,6 +383,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         budget=budget,
         retry_after_s=settings.retry_after_s,
         on_refused=queue.count_refused,
+    )
+
+    app.add_middleware(  # outermost: refuses before a body is read
+        HttpSecurityMiddleware,
+        allowed_hosts=loopback_hosts(settings.host, _names(settings.allowed_hosts)),
+        allowed_origins=origins,
+        state_changing_gets=STATE_CHANGING_GETS,
     )
 
     @app.exception_handler(HTTPProblem)

@@ -95,6 +95,23 @@ class ApiSettings(BaseModel):
         description="Worker threads that decompress, validate and serialise posted groups. "
         "Validation holds Python's GIL, so more threads rarely help and can slow /batch.",
     )
+    cors_allow_origin: str = Field(
+        "",
+        description="Origins (comma-separated, e.g. http://localhost:3000) whose web pages may "
+        "read answers and call state-changing endpoints; '*' for any (upstream's behaviour, "
+        "with --cors-credentials). Default: none.",
+    )
+    cors_credentials: bool = Field(
+        False,
+        description="Allow credentials (cookies) on cross-origin requests from "
+        "--cors-allow-origin.",
+    )
+    allowed_hosts: str = Field(
+        "",
+        description="Host names (comma-separated) accepted in the Host header besides "
+        "localhost, 127.0.0.1 and [::1]. The Host check (against DNS rebinding) is on when "
+        "bound to loopback or when names are given; other hosts get 421.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level."
     )

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["metavar"] = "SIZE"
         elif field.annotation is int:
             kwargs["type"] = int
+        elif field.annotation is bool:
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
         elif choices and all(isinstance(c, str) for c in choices):
             kwargs["choices"] = list(choices) + [c.lower() for c in choices if c != c.lower()]
         parser.add_argument(flag, **kwargs)

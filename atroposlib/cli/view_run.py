@@ -11,6 +11,9 @@ ones the trainer learns from highlighted. A counter shows the API's queue (``GET
 command instead; no server is needed or touched.
 
 The page binds 127.0.0.1 (``--host`` to change) and makes no public link unless ``--share``.
+Other web pages cannot use it (:mod:`atroposlib.utils.http_security`): requests naming another
+host are refused (DNS rebinding; ``--allowed-hosts`` adds names), and so are POSTs a page of
+another origin sends; Gradio's own CORS already answers only localhost origins.
 """
 
 from __future__ import annotations
@@ -447,6 +450,12 @@ def build_parser(
         action="store_true",
         help="Also open a public Gradio share link (off by default).",
     )
+    parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="Host names (comma-separated) accepted in the Host header besides localhost, "
+        "127.0.0.1 and [::1] (checked against DNS rebinding when bound to loopback).",
+    )
     return parser  # fmt: skip
 
 
@@ -493,7 +502,18 @@ def main(
         font=["ui-sans-serif", "system-ui", "sans-serif"],
         font_mono=["ui-monospace", "monospace"],
     )
+    from starlette.middleware import Middleware
+
+    from atroposlib.utils.http_security import HttpSecurityMiddleware, loopback_hosts
+
+    extra_hosts = [h for h in args.allowed_hosts.split(",") if h.strip()]
+    security = Middleware(
+        HttpSecurityMiddleware,
+        # a share link's tunnel arrives under its own name: no Host check then
+        allowed_hosts=None if args.share else loopback_hosts(args.host, extra_hosts),
+    )
     demo.launch(
+        app_kwargs={"middleware": [security]},
         server_name=args.host,
         server_port=args.port,
         share=args.share,

@@ -307,3 +307,30 @@ def test_grab_an_env_group_in_a_real_browser(
         if env is not None:
             stop_proc(env)
         app.stop()
+
+
+def test_other_web_pages_cannot_use_the_viewer(tmp_path: Path) -> None:
+    """DNS rebinding (another Host) and cross-origin POSTs are refused; the page itself works."""
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps({"messages": ["hello"], "scores": [1.0]}) + "\n")
+    app = ViewRun(
+        "--file", str(path), "--api-url", f"http://127.0.0.1:{free_port()}",
+        "--tokenizer", str(_tokenizer()[0]), "--allowed-hosts", "viewer.lan",
+        log=tmp_path / "view-run.log",
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=app.url, timeout=30) as client:
+            assert client.get("/").status_code == 200
+            assert client.get("/", headers={"Host": "viewer.lan:80"}).status_code == 200
+            reply = client.get("/", headers={"Host": f"evil.example:{app.port}"})
+            assert reply.status_code == 421 and "--allowed-hosts" in reply.text
+            join = {"data": [], "fn_index": 0, "session_hash": "x"}
+            reply = client.post(
+                "/gradio_api/queue/join", json=join, headers={"Origin": "http://evil.example"}
+            )
+            assert reply.status_code == 403 and "cross-origin" in reply.text
+            own = {"Origin": app.url.rstrip("/"), "Sec-Fetch-Site": "same-origin"}
+            assert client.post("/gradio_api/queue/join", json=join, headers=own).status_code < 500
+            assert client.post("/gradio_api/queue/join", json=join, headers=own).status_code != 403
+    finally:
+        app.stop()
