@@ -5,7 +5,12 @@ Kept out of the training loop on purpose. Three pieces:
 - ``ChildProcess``: one owned subprocess in its own session (so stopping it also stops whatever
   it spawned, e.g. vLLM's workers), with its log in a file, readiness by polling an HTTP URL,
   and a clear error with the log's tail if it dies or never becomes ready. Every child still
-  running is stopped at interpreter exit.
+  running is stopped at interpreter exit, and **also when this process dies without exiting**
+  (``SIGKILL``, the OOM killer): a small *reaper* process, started with the first child, reads
+  a pipe that only this process writes; when the pipe closes it SIGTERMs the process group of
+  every child still registered (``watch_process_group``), and SIGKILLs what is left after 5 s.
+  That works whichever thread started the child (``PR_SET_PDEATHSIG`` fires when the *thread*
+  that forked exits, and reaches only the direct child, not its session).
 - Weight sync strategies, all with ``start()``, ``sync(checkpoint) -> seconds`` and ``close()``:
   ``VLLMRestart`` (upstream: stop vLLM, relaunch it on the new checkpoint under the same served
   model name, wait for ``/health``), ``AtroposServeReload`` (``POST /reload_weights`` on a
@@ -48,6 +53,80 @@ def stop_all_children() -> None:
 
 
 atexit.register(stop_all_children)
+
+
+# Runs in the reaper (standard library only): read "+PGID"/"-PGID" lines until EOF, i.e. until
+# the process that owns the pipe's other end is gone, then take its children down.
+_REAPER = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line[:1] == "+":
+        groups.add(int(line[1:]))
+    elif line[:1] == "-":
+        groups.discard(int(line[1:]))
+def alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+deadline = time.monotonic() + 5.0
+while time.monotonic() < deadline and any(alive(g) for g in groups):
+    time.sleep(0.1)
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+"""
+
+
+class _Reaper:
+    """The process that stops our children's process groups if we die without cleaning up."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                if line.startswith("-"):
+                    return
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-c", _REAPER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,  # a Ctrl-C or a group kill must not reach it
+                )
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                logger.warning("the reaper process is gone; children may outlive a crash")
+
+
+_REAPER_PROCESS = _Reaper()
+
+
+def watch_process_group(pgid: int) -> None:
+    """Have process group ``pgid`` stopped if this process dies without stopping it."""
+    _REAPER_PROCESS._send(f"+{pgid}")
+
+
+def unwatch_process_group(pgid: int) -> None:
+    """Forget ``pgid`` (it was stopped, or is about to be)."""
+    _REAPER_PROCESS._send(f"-{pgid}")
 
 
 class ChildProcess:
@@ -98,6 +177,7 @@ class ChildProcess:
                 ) from exc
         with _LIVE_LOCK:
             _LIVE.add(self)
+        watch_process_group(self.proc.pid)
         logger.info("started %s (pid %d), log: %s", self.name, self.proc.pid, self.log_path)
         return self
 
@@ -156,6 +236,7 @@ class ChildProcess:
                 proc.wait(10)
         # Whatever it spawned in its session goes too (e.g. vLLM's engine workers).
         self._signal(signal.SIGKILL)
+        unwatch_process_group(proc.pid)
         with _LIVE_LOCK:
             _LIVE.discard(self)
         return proc.returncode

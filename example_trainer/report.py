@@ -14,13 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from example_trainer.inference_process import unwatch_process_group, watch_process_group
 
 EVAL_PREFIX = "eval/"
 
@@ -82,7 +86,10 @@ def run_env_evaluate(
             stdin=subprocess.DEVNULL,
             cwd=cwd,
             env=_child_env(),
+            start_new_session=True,
         )
+        # stopped with us even if we are SIGKILLed (see inference_process)
+        watch_process_group(proc.pid)
         try:
             while proc.poll() is None:
                 now = time.monotonic()
@@ -100,9 +107,12 @@ def run_env_evaluate(
                     )
                 time.sleep(0.5)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            unwatch_process_group(proc.pid)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-2000:]
         raise EvaluationError(f"{env_file.name} evaluate exited with {proc.returncode}:\n{tail}")

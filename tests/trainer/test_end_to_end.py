@@ -34,11 +34,15 @@ def _procs_mentioning(text: str) -> list[str]:
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
             state = (proc / "stat").read_text().split()[2]
         except OSError:
             continue
-        if text in cmdline and state != "Z" and "pytest" not in cmdline:
+        cmdline = " ".join(argv)
+        # not a pytest runner (whose argv may mention the text); its children's paths may
+        # contain "pytest-of-..." and still count
+        runner = "pytest" in (os.path.basename(arg) for arg in argv[:5])
+        if text in cmdline and state != "Z" and not runner:
             found.append(cmdline)
     return found
 
@@ -463,6 +467,27 @@ def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Pat
     for port in (api_port, inf_port):
         assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
     assert not _wait_gone(str(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_quickstart_sigkill_still_stops_every_child(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGKILL leaves quickstart no chance to clean up; its reaper stops run-api, atropos-serve
+    and the env anyway."""
+    api_port, inf_port = free_port(), free_port()
+    proc = _quickstart(tmp_path, tiny_model_dir, 50, api_port, inf_port)
+    env_log = tmp_path / "out" / "logs" / "env.log"
+    deadline = time.monotonic() + 180
+    while not (env_log.is_file() and "Registered env" in env_log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    for port in (api_port, inf_port):
+        assert _procs_mentioning(f"--port {port}"), f"no child on port {port}"
+    assert _procs_mentioning(str(tmp_path / "out"))  # the env
+    proc.kill()
+    proc.wait(10)
+    for port in (api_port, inf_port):
+        assert not _wait_gone(f"--port {port}", 10), f"a child on port {port} outlived SIGKILL"
+    assert not _wait_gone(str(tmp_path / "out"), 10)
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -164,3 +167,43 @@ def test_vllm_api_server_fallback_keeps_serve_flags() -> None:
         "--dtype",
         "auto",
     ]
+
+
+def test_children_die_with_a_sigkilled_owner_whatever_thread_started_them(tmp_path: Path) -> None:
+    """The owner starts a child (which starts a grandchild in its session) from a thread that
+    then exits, and is SIGKILLed: the reaper still stops the child's whole process group."""
+    pids = tmp_path / "pids.txt"
+    owner_code = textwrap.dedent(
+        f"""
+        import threading, time
+        from example_trainer.inference_process import ChildProcess
+        command = ["sh", "-c", "sleep 600 & echo $$ $! > {pids}; wait"]
+        thread = threading.Thread(
+            target=lambda: ChildProcess("sleeper", command, {str(tmp_path / "log")!r}).start()
+        )
+        thread.start()
+        thread.join()
+        print("started", flush=True)
+        time.sleep(600)
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", owner_code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 10
+        while not (pids.is_file() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        child, grandchild = (int(p) for p in pids.read_text().split())
+        assert _alive(child) and _alive(grandchild)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        assert _wait_dead(child, 8) and _wait_dead(grandchild, 8)
+    finally:
+        owner.kill()
+        owner.wait()
