@@ -1,0 +1,161 @@
+"""Upstream Atropos's environment files, byte-identical, run with this library.
+
+Every vendored file in ``environments/`` imports and answers ``--help`` and ``process --help``;
+the files in ``PROCESS`` also run ``process`` for one group against a real ``atropos-serve``
+(serving a scripted tiny model, ``scripted_model.py``, whose replies the env scores
+differently, since upstream's envs drop groups whose scores are all equal), with their hub
+datasets replaced by the tiny JSONL files in ``data/`` (``standins/sitecustomize.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServeProcess, start_server
+from tests.upstream_envs.scripted_model import build_scripted_model
+
+HERE = Path(__file__).resolve().parent
+ENVS = HERE / "environments"
+UPSTREAM_COMMIT = "296a0bc55760e43b9c0743c052f8d6c2732606d1"
+
+# file -> (replies of the scripted model, extra process flags)
+PROCESS: dict[str, tuple[list, list[str]]] = {
+    "gsm8k_server.py": (
+        [
+            "Let me think about it carefully. The final answer is \\boxed{18}",
+            "I am not sure what this question asks, sorry",
+        ],
+        ["--env.max_token_length", "256"],
+    ),
+    "mcqa_thinking_env.py": (
+        [
+            ["<", "think", ">", " hmm", "</", "Think", ">.", "The best answer is: B"],
+            "I refuse to choose any of these options because none seem right",
+        ],
+        ["--env.max_token_length", "1024"],
+    ),
+}
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp / "hf-datasets"),
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join([str(HERE / "standins"), str(HERE)]),
+        "ATROPOS_STANDIN_DATA": str(HERE / "data"),
+    }
+
+
+def test_vendored_files_are_upstreams() -> None:
+    """The env files are upstream's, unchanged (compared with the mirror when it is here)."""
+    mirror = Path("/work/.mirror/NousResearch+atropos/repo")
+    files = sorted(ENVS.glob("*.py"))
+    assert len(files) >= 13
+    if not mirror.exists():
+        return
+    for path in files:
+        upstream = subprocess.run(
+            ["git", "-C", str(mirror), "show", f"{UPSTREAM_COMMIT}:environments/{path.name}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        assert hashlib.sha256(upstream).digest() == hashlib.sha256(path.read_bytes()).digest()
+
+
+def test_every_env_file_answers_help(tmp_path: Path) -> None:
+    """``ENV.py --help`` and ``ENV.py process --help`` exit 0 for every vendored file."""
+    files = sorted(str(p) for p in ENVS.glob("*.py"))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "help_all.py"), *files],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=HERE,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2 * len(files)
+    for result in results:
+        name = Path(result["file"]).name
+        assert result["code"] in (0, None), f"{name} {result['args']}: {result['out'][-2000:]}"
+        assert "--env.group_size" in result["out"] or result["args"] == ["--help"], name
+        assert "process" in result["out"], name
+
+
+@pytest.fixture(scope="module")
+def scripted_serve(tmp_path_factory: pytest.TempPathFactory):
+    """One ``atropos-serve`` for the module; each test reloads it with its env's script."""
+    first = next(iter(PROCESS.values()))[0]
+    model = build_scripted_model(tmp_path_factory.mktemp("scripted") / "m0", first)
+    server = start_server(
+        tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_file", sorted(PROCESS))
+def test_env_file_processes_a_group(
+    env_file: str, scripted_serve: ServeProcess, tmp_path: Path
+) -> None:
+    """``ENV.py process`` writes one scored group whose replies came from atropos-serve."""
+    replies, flags = PROCESS[env_file]
+    model = build_scripted_model(tmp_path / "model", replies)
+    reload = httpx.post(
+        scripted_serve.url + "/reload_weights", json={"path": str(model)}, timeout=120
+    )
+    assert reload.status_code == 200, reload.text
+    out = tmp_path / "groups.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ENVS / env_file),
+            "process",
+            "--env.total_steps",
+            "1",
+            "--env.group_size",
+            "4",
+            "--env.tokenizer_name",
+            "SmolLM2-135M-Instruct",
+            "--env.data_path_to_save_groups",
+            str(out),
+            "--openai.base_url",
+            scripted_serve.url + "/v1",
+            "--openai.model_name",
+            "tiny",
+            "--openai.server_type",
+            "vllm",
+            "--openai.api_key",
+            "x",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+        timeout=240,
+    )
+    log = proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, log
+    assert "Processed 1 of 1 groups" in proc.stderr, log
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(groups) == 1, log
+    group = groups[0]
+    assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == 4
+    assert len(set(group["scores"])) > 1  # scored the scripts differently
+    assert all(-100 in masks for masks in group["masks"])  # prompts masked, replies trained
