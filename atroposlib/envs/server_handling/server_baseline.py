@@ -344,6 +344,8 @@ class APIServer(ABC):
         self.check_task: asyncio.Task | None = None
         self.initialized = False
         self.aborted_generations = 0
+        # (monotonic time it went down, wall-clock "HH:MM:SS" of that, last log time)
+        self._unhealthy_since: tuple[float, str, float] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -361,17 +363,51 @@ class APIServer(ABC):
 
     async def check_server_status_task(self, chat_completion: bool = True) -> None:
         """Probe the server every ``health_check_interval`` seconds and set
-        ``server_healthy``; runs until cancelled (see ``close``)."""
+        ``server_healthy``; runs until cancelled (see ``close``).
+
+        While the server is down, requests wait for it; this loop says so: a warning when it
+        goes down (URL and why), then every ``unhealthy_log_interval`` seconds a line with the
+        URL and since when, and an info line when it is back."""
         interval = getattr(self.config, "health_check_interval", 1.0)
         while True:
+            why = "health check answered an error status"
             try:
-                self.server_healthy = bool(await self._probe_health(chat_completion))
+                healthy = bool(await self._probe_health(chat_completion))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure to answer means unhealthy
                 logger.debug("health check of %s failed: %r", self.config.base_url, exc)
-                self.server_healthy = False
+                healthy, why = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
+            self.server_healthy = healthy
+            self._log_health(healthy, why)
             await asyncio.sleep(interval)
+
+    #: Seconds between "still waiting for the inference server" lines while it is down.
+    unhealthy_log_interval: float = 30.0
+
+    def _log_health(self, healthy: bool, why: str) -> None:
+        now = time.monotonic()
+        since = getattr(self, "_unhealthy_since", None)  # subclasses may skip __init__
+        url = self.config.base_url
+        if healthy:
+            if since is not None:
+                logger.info("inference server %s is back after %.0f s", url, now - since[0])
+                self._unhealthy_since = None
+            return
+        if since is None:
+            self._unhealthy_since = (now, time.strftime("%H:%M:%S"), now)
+            logger.warning(
+                "inference server %s is not answering (%s); requests wait for it", url, why
+            )
+        elif now - since[2] >= self.unhealthy_log_interval:
+            self._unhealthy_since = (since[0], since[1], now)
+            logger.warning(
+                "still waiting for inference server %s: down since %s (%.0f s; %s)",
+                url,
+                since[1],
+                now - since[0],
+                why,
+            )
 
     async def _probe_health(self, chat_completion: bool = True) -> bool:
         """One cheap health probe: ``GET /health``; when that route answers 4xx (absent, or

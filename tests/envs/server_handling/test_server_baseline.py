@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -209,6 +210,34 @@ async def test_unhealthy_server_holds_requests_until_healthy() -> None:
             assert out.choices[0].message.content == "ok"
         finally:
             await server.close()
+
+
+async def test_waiting_for_a_down_server_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Down: a warning naming the URL and why, then a reminder with since when at the log
+    interval; back: one info line."""
+    app, _ = probe_app(503)
+    with serve_app(app) as url:
+        server = OpenAIServer(
+            APIServerConfig(base_url=f"{url}/v1", model_name="m", health_check_interval=0.05)
+        )
+        server.unhealthy_log_interval = 0.3
+        server.server_healthy = False  # as after a first failed probe
+        logger_name = "atroposlib.envs.server_handling.server_baseline"
+        try:
+            with caplog.at_level(logging.INFO, logger=logger_name):
+                request = asyncio.create_task(server.chat_completion(messages=MESSAGES))
+                await asyncio.sleep(1.0)
+                assert not request.done()
+                app.state.control["health_status"] = 200
+                await asyncio.wait_for(request, 10)
+        finally:
+            await server.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == logger_name]
+    down = [line for line in lines if "is not answering" in line]
+    assert len(down) == 1 and f"{url}/v1" in down[0] and "error status" in down[0], lines
+    waiting = [line for line in lines if line.startswith("still waiting for inference server")]
+    assert 1 <= len(waiting) <= 4 and "down since" in waiting[0] and f"{url}/v1" in waiting[0]
+    assert sum("is back after" in line for line in lines) == 1, lines
 
 
 async def test_no_health_loop_without_base_url_or_when_disabled() -> None:
