@@ -29,6 +29,7 @@ import _thread
 import argparse
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -609,7 +610,24 @@ def _summary(
     print("\n".join(lines), file=sys.stderr)
 
 
+_interrupted = False
+
+
 def _interrupt(*_: object) -> None:
+    """First Ctrl-C/SIGTERM: stop cleanly (the ``finally`` of :func:`run`). Another one while
+    that runs: one line and exit now, no traceback; the children's reaper
+    (``example_trainer.inference_process``) stops whatever is still running."""
+    global _interrupted
+    if _interrupted:
+        sys.stdout.flush()
+        print(
+            "\natropos-quickstart: interrupted again; exiting now (the children are stopped "
+            "in the background)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(130)
+    _interrupted = True
     raise KeyboardInterrupt
 
 

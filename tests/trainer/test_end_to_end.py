@@ -470,6 +470,29 @@ def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Pat
 
 
 @pytest.mark.slow
+def test_quickstart_repeated_ctrl_c_exits_quietly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Three Ctrl-C in a row: one line per interrupt, no traceback, exit 130, children gone."""
+    api_port, inf_port = free_port(), free_port()
+    proc = _quickstart(tmp_path, tiny_model_dir, 50, api_port, inf_port)
+    env_log = tmp_path / "out" / "logs" / "env.log"
+    deadline = time.monotonic() + 180
+    while not (env_log.is_file() and "Registered env" in env_log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    for _ in range(3):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert "interrupted again; exiting now" in output
+    for port in (api_port, inf_port):
+        assert not _wait_gone(f"--port {port}", 10), f"a child on port {port} is still running"
+    assert not _wait_gone(str(tmp_path / "out"), 10)
+
+
+@pytest.mark.slow
 def test_quickstart_sigkill_still_stops_every_child(tmp_path: Path, tiny_model_dir: Path) -> None:
     """SIGKILL leaves quickstart no chance to clean up; its reaper stops run-api, atropos-serve
     and the env anyway."""
