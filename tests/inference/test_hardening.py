@@ -190,3 +190,39 @@ def test_a_client_that_goes_away_stops_its_generation(server, path, body, rows, 
     assert health["running"] == 0 and health["waiting"] == 0
     # Far short of the rows * 2000 tokens a finished request would have generated.
     assert generated < rows * body["max_tokens"] // 2, generated
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_weight_reloads_do_not_grow_the_server(tmp_path_factory):
+    """RSS after 8 reloads stays within 200 MB of RSS after the first. Each leaked model would
+    be ~70 MB here (the weights and their prepacked copies): a server that kept the old
+    weights grew by ~650 MB per reload of SmolLM2-135M (bench/serve_reload_rss.py)."""
+    from atroposlib.inference.models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("wide")
+    model = build_tiny_model(root / "a", seed=0, hidden_size=128)
+    other = build_tiny_model(root / "b", seed=1, hidden_size=128)
+    server = start_server(tmp_path_factory, model, "--served-model-name", SERVED_NAME)
+    try:
+        body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 8, "n": 2}
+        rss = []
+        for i in range(9):
+            folder = other if i % 2 == 0 else model
+            reply = httpx.post(
+                server.url + "/reload_weights", json={"path": str(folder)}, timeout=300
+            )
+            assert reply.status_code == 200, reply.text
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=300).is_success
+            rss.append(_rss_mb(server.proc.pid))
+        growth = max(rss[1:]) - rss[0]
+        assert growth < 200, f"RSS after each reload (MB): {[round(r) for r in rss]}"
+    finally:
+        server.stop()
