@@ -1260,6 +1260,10 @@ class BaseEnv(ABC):
             if self._wandb_run is not None:
                 self._wandb_run.finish()
                 self._wandb_run = None
+            # the servers' HTTP clients (aiohttp warns about unclosed sessions at exit)
+            close = getattr(self.server, "close", None)
+            if close is not None:
+                await close()
         logger.info("Processed %d of %d groups", done, target)
         path = self.config.data_path_to_save_groups
         if path is not None and Path(path).exists():
