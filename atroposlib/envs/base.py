@@ -691,6 +691,15 @@ class BaseEnv(ABC):
             self.config.batch_size = data["batch_size"]
         if data.get("max_token_len", -1) != -1:
             self.max_token_len = data["max_token_len"]
+        if data.get("batch_size", -1) != -1 and data.get("max_token_len", -1) <= 0:
+            # A registered trainer sent max_token_len <= 0: upstream's way of asking for no
+            # length limit. Kept (upstream trainers may rely on it), but said once, not silently.
+            logger.warning(
+                "the trainer registered max_token_len=%s: no length limit is applied, groups of "
+                "any length are sent (upstream's 'ignore max length'); set the trainer's maximum "
+                "sequence length to a positive number to have overlong groups dropped here",
+                data.get("max_token_len"),
+            )
         if self.config.batch_size == -1:
             logger.warning("Batch size not set by config or server!")
         elif self.config.group_size > self.config.batch_size:

@@ -51,7 +51,10 @@ class BaseEnvConfig(BaseModel):
         "(0 or less: never)",
     )
     max_token_length: int = Field(
-        default=2048, description="Maximum token length used in generations"
+        default=2048,
+        gt=0,
+        description="Maximum token length used in generations (the generation budget, also "
+        "sent to the API; must be positive)",
     )
     eval_handling: EvalHandlingEnum = Field(
         default=EvalHandlingEnum.STOP_TRAIN,

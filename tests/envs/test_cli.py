@@ -118,6 +118,15 @@ def test_yaml_server_list_and_cli_conflict(tmp_path: Path) -> None:
             ["serve", "--env.group_size", "0"],
             "--env.group_size '0': Input should be greater than or equal to 1",
         ),
+        # 0 or less would silently disable the length limit: refused, naming the flag
+        (
+            ["serve", "--env.max_token_length", "0"],
+            "--env.max_token_length '0': Input should be greater than 0",
+        ),
+        (
+            ["process", "--env.max_token_length", "-1"],
+            "--env.max_token_length '-1': Input should be greater than 0",
+        ),
         (["serve", "--env.eval_handling", "SOMETIMES"], "--env.eval_handling 'SOMETIMES'"),
         (["serve", "--env.reasoning_effort", "max"], "--env.reasoning_effort 'max'"),
         (["serve", "--openai.server_type", "tgi"], "--openai.server_type"),

@@ -190,3 +190,29 @@ def test_api_killed_and_restarted_mid_run(start_api, tiny_model_dir, tmp_path: P
     log = (tmp_path / "env.log").read_text()
     assert rc == 0, log[-3000:]
     assert "registering again" in log
+
+
+def test_trainer_without_length_limit_is_announced(start_api, tiny_model_dir, tmp_path: Path):
+    """A trainer registering max_token_len -1 (upstream's "ignore max length") is honoured,
+    and the env says so once instead of dropping nothing silently."""
+    api = start_api()
+    trainer = Trainer(api.url, batch_size=4, max_token_len=-1, num_steps=2)
+    trainer.register()
+    proc = start_env(
+        COUNTING_ENV,
+        "serve",
+        "--env.rollout_server_url",
+        api.url,
+        "--env.tokenizer_name",
+        str(tiny_model_dir),
+        "--env.total_steps",
+        "2",
+        log=tmp_path / "env.log",
+    )
+    try:
+        trainer.pull(1, timeout=60)
+    finally:
+        stop(proc)
+        trainer.close()
+    log = (tmp_path / "env.log").read_text()
+    assert log.count("the trainer registered max_token_len=-1: no length limit") == 1, log[-3000:]
