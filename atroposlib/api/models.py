@@ -77,7 +77,8 @@ class Registration(BaseModel):
     wandb_project: Text = Field(description="W&B project that environments should log under.")
     batch_size: Int32 = Field(description="Number of sequences in each batch handed out.")
     max_token_len: Int32 = Field(
-        description="Longest sequence (in tokens) the trainer accepts; longer ones are refused."
+        description="Longest sequence (in tokens) the trainer accepts; longer ones are refused. "
+        "A value <= 0 means no limit (upstream's meaning), logged as a warning."
     )
     checkpoint_dir: Text = Field(
         description="Where the trainer saves checkpoints (echoed to envs)."

@@ -271,6 +271,13 @@ class TrajectoryQueue:
                     reg.starting_step,
                     reg.num_steps,
                 )
+                if reg.max_token_len <= 0:
+                    logger.warning(
+                        "max_token_len=%d: sequences of any length are accepted (upstream's "
+                        "meaning of a value <= 0); register a positive value to have longer "
+                        "sequences refused",
+                        reg.max_token_len,
+                    )
             elif reg.model_dump() != self.registration:
                 logger.warning(
                     "Another /register with different settings; keeping the first registration "

@@ -579,3 +579,15 @@ def test_oversized_body_is_refused(start_api) -> None:
         reply = client.post("/scored_data", content=bomb, headers={"Content-Encoding": "gzip"})
         assert reply.status_code == 413
         assert client.post("/scored_data", json=group(size=1)).status_code == 200
+
+
+def test_max_token_len_zero_means_no_limit_and_says_so(start_api) -> None:
+    """Upstream's trainers may register ``max_token_len <= 0`` for "no limit": kept, and the
+    server logs a warning instead of silently checking nothing."""
+    server = start_api()
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/register", json=registration(4, max_token_len=0)).status_code == 200
+        assert client.get("/batch").status_code == 200
+        reply = client.post("/scored_data", json=group(size=2, length=5000))
+        assert reply.status_code == 200, reply.text
+    assert "max_token_len=0: sequences of any length are accepted" in server.log_path.read_text()
