@@ -16,6 +16,19 @@ import sys
 from atroposlib.inference.models import DEFAULT_MODEL
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(text: str) -> int:
+    """A byte count: a plain integer or one with a K, M or G suffix (powers of 1024)."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _SIZE_UNITS else ""
+    number = value[: len(value) - len(unit)]
+    if not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size like 16M, got {text!r}")
+    return int(number) * _SIZE_UNITS[unit]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options of ``atropos-serve``."""
     parser = argparse.ArgumentParser(
@@ -52,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1024,
         help="Most requests waiting for a batch slot; more are answered 429.",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default="16M",
+        help="Largest request body accepted (accepts 64K, 16M, 1G, ...); larger bodies get 413. "
+        "Text prompts too long for the context are refused (400) before they are tokenized.",
     )
     parser.add_argument(
         "--max-model-len",
@@ -172,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         model_source=loaded.source,
         dtype=loaded.dtype,
         api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
     )
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
 

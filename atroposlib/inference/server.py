@@ -9,13 +9,14 @@ upstream's ``VLLMServer``) and ``POST /reload_weights``. Every error body has Op
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from atroposlib.inference.engine import (
     EngineError,
@@ -49,11 +50,18 @@ from atroposlib.inference.sampling import InvalidParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+"""Default ``--max-request-bytes``: a full context of text many times over, or a batch of
+hundreds of token-id prompts."""
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -101,11 +109,36 @@ class ServerState:
     created: int = 0
     reload_lock: asyncio.Lock | None = None
     last_reload: dict[str, Any] | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body read; larger ones get 413 (``--max-request-bytes``)."""
+    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="atropos-tokenize"
+        )
+    )
+    """Where prompts are rendered and tokenized, off the event loop (one thread: a fast
+    tokenizer must not be driven from two threads at once)."""
+    _max_prompt_chars: int | None = None
 
     @property
     def tokenizer(self) -> Any:
         """The tokenizer (kept across weight reloads)."""
         return self.engine.tokenizer
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a text prompt cannot fit the context, whatever it says:
+        the context length times the longest token's characters, times 4 (for normalisers
+        that compose characters). Longer texts are refused without tokenizing them."""
+        if self._max_prompt_chars is None:
+            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            longest = max((len(t) for t in tokens if t), default=1)
+            self._max_prompt_chars = 4 * self.engine.max_model_len * max(longest, 1)
+        return self._max_prompt_chars
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer thread (the event loop serves others meanwhile)."""
+        return await asyncio.wrap_future(self.tokenize_pool.submit(fn, *args))
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -120,6 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.reload_lock = asyncio.Lock()
         yield
         state.engine.shutdown()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="atropos-serve", lifespan=_as_context(lifespan))
     app.state.atropos = state
@@ -187,7 +221,7 @@ def create_app(state: ServerState) -> FastAPI:
         """OpenAI chat completions; the prompt is rendered with the tokenizer's chat template."""
         _check_model(state, body.model)
         _check_features(body)
-        prompt_ids = _render_chat(state, body)
+        prompt_ids = await state.off_loop(_render_chat, state, body)
         max_tokens = _resolve_max_tokens(
             state, len(prompt_ids), body.max_completion_tokens or body.max_tokens
         )
@@ -237,7 +271,7 @@ def create_app(state: ServerState) -> FastAPI:
         _check_features(body)
         if body.echo:
             raise APIError(400, "'echo' is not supported by atropos-serve", param="echo")
-        prompts = _completion_prompts(state, body)
+        prompts = await state.off_loop(_completion_prompts, state, body)
         handles = []
         try:
             for prompt_ids in prompts:
@@ -286,7 +320,7 @@ def create_app(state: ServerState) -> FastAPI:
         ``{token_id: logprob}`` dict whose first key is the generated token.
         """
         if isinstance(body.prompt, str):
-            prompt_ids = state.tokenizer(body.prompt)["input_ids"]
+            prompt_ids = await state.off_loop(_tokenize, state, body.prompt, True, "prompt")
         else:
             if "prompt_token_ids" not in body.prompt:
                 raise APIError(400, "prompt must be {'prompt_token_ids': [...]}", param="prompt")
@@ -391,9 +425,11 @@ def create_app(state: ServerState) -> FastAPI:
 
 class _Guard:
     """Checks every HTTP request before the routes see it: the API key (all paths but
-    ``/health``).
+    ``/health``), then the body: no ``Content-Encoding`` (415; clients of OpenAI-compatible
+    servers send plain JSON) and at most ``state.max_request_bytes`` (413), counted while it
+    is read, so a larger body is never held whatever ``Content-Length`` says.
 
-    Pure ASGI (no ``BaseHTTPMiddleware``): ``receive`` reaches the route untouched, so
+    Pure ASGI (no ``BaseHTTPMiddleware``): after the body, ``receive`` is the server's own, so
     ``Request.is_disconnected()`` and streaming responses see a client disconnect and the
     request's sequences are aborted.
     """
@@ -414,7 +450,64 @@ class _Guard:
                 error = APIError(401, "invalid or missing API key", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            encoding = headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                error = APIError(
+                    415,
+                    f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed",
+                    param="content-encoding",
+                )
+                await error.response()(scope, receive, send)
+                return
+            body = await self._read_body(scope, receive, send, headers)
+            if body is None:
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    async def _read_body(
+        self, scope: Scope, receive: Receive, send: Send, headers: Headers
+    ) -> bytes | None:
+        """The whole body, or None once answered 413 (or the client left)."""
+        limit = self.state.max_request_bytes
+        too_large = APIError(
+            413,
+            f"request body too large: the limit is {limit} bytes (atropos-serve "
+            "--max-request-bytes)",
+            code="request_too_large",
+        )
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await too_large.response()(scope, receive, send)
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await too_large.response()(scope, receive, send)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` once, then whatever the server sends (the
+    disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
 
 
 # ---------------------------------------------------------------------- helpers
@@ -520,7 +613,22 @@ def _render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         )
     except Exception as exc:  # noqa: BLE001 - template errors come from the client's messages
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
-    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _tokenize(state, text, False, "messages")
+
+
+def _tokenize(state: ServerState, text: str, special: bool, param: str) -> list[int]:
+    """Token ids of ``text``; a text too long to fit the context is refused untokenized
+    (a 6 MB prompt took 3.5 s to tokenize)."""
+    if len(text) > state.max_prompt_chars:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {state.engine.max_model_len} tokens; "
+            f"the {param} has {len(text)} characters, more than that many tokens can hold "
+            f"({state.max_prompt_chars}).",
+            code="context_length_exceeded",
+            param=param,
+        )
+    return state.tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
@@ -536,9 +644,7 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[lis
     encoded = []
     for p in prompts:
         if isinstance(p, str):
-            encoded.append(
-                state.tokenizer(p, add_special_tokens=body.add_special_tokens)["input_ids"]
-            )
+            encoded.append(_tokenize(state, p, body.add_special_tokens, "prompt"))
         else:
             encoded.append(list(p))
     return encoded

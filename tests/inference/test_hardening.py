@@ -27,6 +27,8 @@ def server(tmp_path_factory, tiny_model_dir):
         "float32",
         "--served-model-name",
         SERVED_NAME,
+        "--max-request-bytes",
+        "8M",
     )
     try:
         yield server
@@ -226,3 +228,62 @@ def test_weight_reloads_do_not_grow_the_server(tmp_path_factory):
         assert growth < 200, f"RSS after each reload (MB): {[round(r) for r in rss]}"
     finally:
         server.stop()
+
+
+LIMIT = 8 << 20
+
+
+def test_request_bodies_are_bounded(server):
+    """413 past --max-request-bytes, whether Content-Length says so or the body just keeps
+    coming; compressed bodies are refused (415) rather than misread."""
+    big = {"model": SERVED_NAME, "prompt": "x", "max_tokens": 1, "pad": " " * LIMIT}
+    reply = httpx.post(server.url + "/v1/completions", json=big, timeout=60)
+    assert reply.status_code == 413, reply.text
+    error = reply.json()["error"]
+    assert "--max-request-bytes" in error["message"] and str(LIMIT) in error["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "prompt": "x", "pad": "'
+        for _ in range(9):
+            yield b"y" * (1 << 20)
+        yield b'"}'
+
+    reply = httpx.post(
+        server.url + "/generate",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 413, reply.text
+    # Just under the limit is read and answered normally.
+    fits = {"model": SERVED_NAME, "prompt": "x", "max_tokens": 1, "pad": " " * (LIMIT - 200)}
+    assert httpx.post(server.url + "/v1/completions", json=fits, timeout=60).status_code == 200
+    gz = httpx.post(
+        server.url + "/v1/completions",
+        content=__import__("gzip").compress(json.dumps(fits).encode()),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=60,
+    )
+    assert gz.status_code == 415 and gz.json()["error"]["param"] == "content-encoding"
+    assert _health(server.url)["status"] == "ok"
+
+
+def test_prompts_longer_than_the_context_are_refused(server):
+    """A 6 MB text prompt is refused (400, context_length_exceeded) without being tokenized;
+    one short enough to tokenize but over the context is refused after."""
+    for text in ("hello world " * 500_000, "hello world " * 30_000):
+        for path, body in _bodies({}):
+            if path == "/v1/chat/completions":
+                body["messages"][0]["content"] = text
+                param = "messages"
+            else:
+                body["prompt"] = text
+                param = "prompt"
+            reply = httpx.post(server.url + path, json=body, timeout=120)
+            assert reply.status_code == 400, (path, reply.text[:300])
+            error = reply.json()["error"]
+            assert error["code"] == "context_length_exceeded", (path, error)
+            assert "maximum context length" in error["message"]
+            if len(text) > 1_000_000:
+                assert error["param"] == param
+    assert _health(server.url)["status"] == "ok"
