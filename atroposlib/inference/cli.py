@@ -15,7 +15,6 @@ import sys
 
 from atroposlib.inference.models import DEFAULT_MODEL
 
-
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -27,6 +26,11 @@ def _size(text: str) -> int:
     if not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive size like 16M, got {text!r}")
     return int(number) * _SIZE_UNITS[unit]
+
+
+def _names(text: str) -> list[str]:
+    """The non-empty items of a comma-separated list."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="Address to bind.")
     parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="Host names (comma-separated) accepted in the Host header besides localhost, "
+        "127.0.0.1 and [::1]. The Host check (against DNS rebinding) is on when bound to "
+        "loopback or when names are given; other hosts get 421.",
+    )
+    parser.add_argument(
+        "--cors-allow-origin",
+        default="",
+        help="Origins (comma-separated, e.g. http://localhost:3000) whose web pages may read "
+        "answers and send requests (never with credentials); '*' for any. Default: none, and "
+        "requests a browser marks as coming from another origin get 403 (except GETs).",
+    )
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -143,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     from atroposlib.inference.engine import GenerationEngine
     from atroposlib.inference.models import load_model
     from atroposlib.inference.server import ServerState, create_app
+    from atroposlib.utils.http_security import loopback_hosts
 
     # The engine's scheduler thread does the model's work with this many threads; every
     # other thread (this one loads the model) runs torch single-threaded, so that only the
@@ -193,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype=loaded.dtype,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        allowed_hosts=loopback_hosts(args.host, _names(args.allowed_hosts)),
+        cors_origins=tuple(_names(args.cors_allow_origin)),
     )
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +48,7 @@ from atroposlib.inference.protocol import (
     ReloadRequest,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
+from atroposlib.utils.http_security import HttpSecurityMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,10 @@ class ServerState:
     )
     """Where prompts are rendered and tokenized, off the event loop (one thread: a fast
     tokenizer must not be driven from two threads at once)."""
+    allowed_hosts: frozenset[str] | None = None
+    """Host header names served (``loopback_hosts``); None: no Host check (bound to all)."""
+    cors_origins: tuple[str, ...] = ()
+    """Origins whose pages may read answers and send requests (never with credentials)."""
     _max_prompt_chars: int | None = None
 
     @property
@@ -177,10 +183,24 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    # A plain ASGI middleware: ``@app.middleware("http")`` (BaseHTTPMiddleware) hands the
+    # Plain ASGI middlewares only: ``@app.middleware("http")`` (BaseHTTPMiddleware) hands the
     # route a receive channel that never reports the client going away, so generation went on
-    # for clients long gone.
+    # for clients long gone. The last added runs first: Host and origin checks, then CORS
+    # (its preflights carry no API key), then the API key and the body limit.
     app.add_middleware(_Guard, state=state)
+    if state.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.cors_origins),
+            allow_credentials=False,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(
+        HttpSecurityMiddleware,
+        allowed_hosts=state.allowed_hosts,
+        allowed_origins=state.cors_origins,
+    )
 
     @app.get("/health")
     async def health() -> JSONResponse:

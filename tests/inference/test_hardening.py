@@ -287,3 +287,73 @@ def test_prompts_longer_than_the_context_are_refused(server):
             if len(text) > 1_000_000:
                 assert error["param"] == param
     assert _health(server.url)["status"] == "ok"
+
+
+def test_web_pages_cannot_drive_a_loopback_server(server):
+    """Bound to loopback: a Host other than a loopback name is refused (DNS rebinding), a
+    browser request from another origin may not generate or pause, and nothing tells a
+    browser it may read answers or send credentials."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", "LOCALHOST"):
+        assert httpx.get(server.url + "/health", headers={"host": host}).status_code == 200
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+        reply = httpx.get(server.url + "/v1/models", headers={"host": host})
+        assert reply.status_code == 421 and "not served here" in reply.text, host
+    generate = {"prompt": {"prompt_token_ids": PROMPT_IDS}, "max_tokens": 2}
+    evil = {"origin": "http://evil.example"}
+    reply = httpx.post(server.url + "/generate", json=generate, headers=evil)
+    assert reply.status_code == 403 and "cross-origin" in reply.text
+    reply = httpx.post(server.url + "/pause", headers={"sec-fetch-site": "cross-site"})
+    assert reply.status_code == 403 and not _health(server.url)["paused"]
+    preflight = httpx.options(
+        server.url + "/v1/completions",
+        headers={**evil, "access-control-request-method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+    assert "access-control-allow-credentials" not in preflight.headers
+    # Scripts and trainers (no Origin) and same-origin pages are served.
+    assert httpx.post(server.url + "/generate", json=generate).status_code == 200
+    same = {"origin": server.url, "sec-fetch-site": "same-origin"}
+    assert httpx.post(server.url + "/generate", json=generate, headers=same).status_code == 200
+
+
+def test_cors_allows_listed_origins_without_credentials(tmp_path_factory, tiny_model_dir):
+    ui = "http://localhost:3000"
+    server = start_server(
+        tmp_path_factory,
+        tiny_model_dir,
+        "--served-model-name",
+        SERVED_NAME,
+        "--cors-allow-origin",
+        ui,
+        "--api-key",
+        "k",
+    )
+    try:
+        preflight = httpx.options(
+            server.url + "/generate",
+            headers={
+                "origin": ui,
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type",
+            },
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == ui
+        assert "access-control-allow-credentials" not in preflight.headers
+        reply = httpx.post(
+            server.url + "/generate",
+            json={"prompt": {"prompt_token_ids": PROMPT_IDS}, "max_tokens": 2},
+            headers={"origin": ui, "authorization": "Bearer k", "sec-fetch-site": "same-site"},
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["access-control-allow-origin"] == ui
+        assert "access-control-allow-credentials" not in reply.headers
+        other = httpx.post(
+            server.url + "/generate",
+            json={"prompt": {"prompt_token_ids": PROMPT_IDS}, "max_tokens": 2},
+            headers={"origin": "http://evil.example", "authorization": "Bearer k"},
+        )
+        assert other.status_code == 403
+    finally:
+        server.stop()
