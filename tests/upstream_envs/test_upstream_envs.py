@@ -99,9 +99,12 @@ def scripted_serve(tmp_path_factory: pytest.TempPathFactory):
     """One ``atropos-serve`` for the module; each test reloads it with its env's script."""
     first = next(iter(PROCESS.values()))[0]
     model = build_scripted_model(tmp_path_factory.mktemp("scripted") / "m0", first)
-    server = start_server(
-        tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
-    )
+    with pytest.MonkeyPatch.context() as patch:  # the server loads the scripted model type
+        patch.setenv("PYTHONPATH", str(HERE / "standins"))
+        patch.setenv("ATROPOS_SCRIPTED_MODEL", "1")
+        server = start_server(
+            tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
+        )
     try:
         yield server
     finally:

@@ -60,3 +60,8 @@ def _install() -> None:
 
 
 _install()
+
+if os.environ.get("ATROPOS_SCRIPTED_MODEL"):
+    import scripted_lm
+
+    scripted_lm.register()
