@@ -42,7 +42,23 @@ PROCESS: dict[str, tuple[list, list[str]]] = {
         ],
         ["--env.max_token_length", "1024"],
     ),
+    "math_server.py": (
+        [
+            "<think>Ten apples and eight more make eighteen.</think>The answer is \\boxed{18}",
+            "<think>I think he ate some of them first.</think>The answer is \\boxed{7}",
+        ],
+        # no judging or length penalty (random branches); prompt + 1024 reply tokens
+        ["--env.max_token_length", "1400", "--env.percent_to_judge", "0"],
+    ),
+    "math_server_zero.py": (
+        [
+            " Ten and eight make eighteen. </think> <answer> \\boxed{18} </answer>",
+            " He must have eaten some apples. </think> <answer> \\boxed{7} </answer>",
+        ],
+        ["--env.max_token_length", "1400"],
+    ),
 }
+GROUP_SIZE = 2
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -132,7 +148,7 @@ def test_env_file_processes_a_group(
             "--env.total_steps",
             "1",
             "--env.group_size",
-            "4",
+            str(GROUP_SIZE),
             "--env.tokenizer_name",
             "SmolLM2-135M-Instruct",
             "--env.data_path_to_save_groups",
@@ -159,6 +175,6 @@ def test_env_file_processes_a_group(
     groups = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(groups) == 1, log
     group = groups[0]
-    assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == 4
+    assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == GROUP_SIZE
     assert len(set(group["scores"])) > 1  # scored the scripts differently
     assert all(-100 in masks for masks in group["masks"])  # prompts masked, replies trained

@@ -6,8 +6,9 @@ JSON, a judge's verdict). This model's logits force them: its config holds rules
 substring (``""`` matches any prompt) and a list of replies as token ids ending with the
 end-of-turn token. For a sequence that ends with the first ``k`` tokens of a reply of the first
 rule whose substring is in the text before them, the next token is that reply's token ``k``
-(logit ``LOGIT`` above every other token); after a prompt, the first tokens of the matching
-rule's replies are equally likely. Sampled at temperature 1 a group mixes the replies; at
+(logit ``LOGIT`` above every other token; where replies share their first ``k`` tokens, their
+next tokens are equally likely); after a prompt, the first tokens of the matching rule's
+replies are equally likely. Sampled at temperature 1 a group mixes the replies; at
 temperature 0 it is the first.
 
 The model keeps each row's token ids in its KV cache (as one-dimensional "keys"), so it runs
@@ -83,19 +84,21 @@ class ScriptedForCausalLM(PreTrainedModel):
         return None
 
     def next_tokens(self, seq: list[int]) -> list[int]:
-        """The tokens the model writes after ``seq`` (one, or a reply's first tokens)."""
-        best: tuple[int, int] | None = None  # (progress, next token)
+        """The tokens the model may write after ``seq``: the next token of the replies that
+        ``seq`` ends furthest into (several where replies share a start), else the first
+        tokens of the replies of the rule the prompt matches."""
+        best, following = 0, set()
         for _, replies in self.rules:
             for reply in replies:
-                for k in range(min(len(reply) - 1, len(seq)), 0, -1):
-                    if best is not None and k <= best[0]:
-                        break
-                    if seq[-k:] == reply[:k]:
+                for k in range(min(len(reply) - 1, len(seq)), best - 1, -1):
+                    if k and seq[-k:] == reply[:k]:
                         if reply in (self._rule(tuple(seq[:-k])) or []):
-                            best = (k, reply[k])
+                            if k > best:
+                                best, following = k, set()
+                            following.add(reply[k])
                         break
-        if best is not None:
-            return [best[1]]
+        if best:
+            return sorted(following)
         replies = self._rule(tuple(seq)) or []
         return sorted({reply[0] for reply in replies})
 
