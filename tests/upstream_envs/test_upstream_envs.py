@@ -57,6 +57,22 @@ PROCESS: dict[str, tuple[list, list[str]]] = {
         ],
         ["--env.max_token_length", "1400"],
     ),
+    "text_reversal_environment.py": (
+        [
+            "<think>Backwards, letter by letter.</think><reversed_text>dlrow olleH</reversed_text>",
+            "<think>That looks easy enough.</think><reversed_text>Hello world</reversed_text>",
+        ],
+        ["--env.max_token_length", "1024", "--env.train_max_tokens", "64"],
+    ),
+    "tool_calling_server.py": (
+        [
+            '<think>The weather tool fits.</think>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>',
+            '<think>Maybe the other city.</think>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}\n</tool_call>',
+        ],
+        ["--env.max_token_length", "1024"],
+    ),
 }
 GROUP_SIZE = 2
 
