@@ -26,6 +26,8 @@ HERE = Path(__file__).resolve().parent
 ENVS = HERE / "environments"
 UPSTREAM_COMMIT = "296a0bc55760e43b9c0743c052f8d6c2732606d1"
 
+ELDRITCH = "The void stirs beneath your greeting; a thousand eyes blink awake in the dark."
+
 # file -> (replies of the scripted model, extra process flags)
 PROCESS: dict[str, tuple[list, list[str]]] = {
     "gsm8k_server.py": (
@@ -71,6 +73,18 @@ PROCESS: dict[str, tuple[list, list[str]]] = {
             '<think>Maybe the other city.</think>\n<tool_call>\n{"name": "get_weather", '
             '"arguments": {"city": "Rome"}}\n</tool_call>',
         ],
+        ["--env.max_token_length", "1024"],
+    ),
+    "rlaif_server.py": (
+        {  # the judge (same server) prefers the eldritch reply, as A or as B
+            "[Response A]\n" + ELDRITCH: [
+                "<think>The tentacles steer the vibes.</think>\\boxed{A}"
+            ],
+            "[Response B]\n" + ELDRITCH: [
+                "<think>The tentacles steer the vibes.</think>\\boxed{B}"
+            ],
+            "": [ELDRITCH, "Hi there! I am doing well, thank you for asking."],
+        },
         ["--env.max_token_length", "1024"],
     ),
 }
@@ -177,6 +191,9 @@ def test_env_file_processes_a_group(
             "vllm",
             "--openai.api_key",
             "x",
+            # a group whose sampled replies happen to score the same is dropped and retried
+            "--env.ensure_scores_are_not_same",
+            "true",
             *flags,
         ],
         capture_output=True,
