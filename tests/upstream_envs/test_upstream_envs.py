@@ -28,8 +28,8 @@ UPSTREAM_COMMIT = "296a0bc55760e43b9c0743c052f8d6c2732606d1"
 
 ELDRITCH = "The void stirs beneath your greeting; a thousand eyes blink awake in the dark."
 
-# file -> (replies of the scripted model, extra process flags)
-PROCESS: dict[str, tuple[list, list[str]]] = {
+# file -> (replies of the scripted model, extra process flags[, a line its stdout must have])
+PROCESS: dict[str, tuple] = {
     "gsm8k_server.py": (
         [
             "Let me think about it carefully. The final answer is \\boxed{18}",
@@ -86,6 +86,14 @@ PROCESS: dict[str, tuple[list, list[str]]] = {
             "": [ELDRITCH, "Hi there! I am doing well, thank you for asking."],
         },
         ["--env.max_token_length", "1024"],
+    ),
+    "instruction_following_algorithm_environment.py": (
+        [
+            "<think>Use the word.</think>This sentence is an example of a sentence.",
+            "<think>Keep it short.</think>This sentence has no such word in it at all.",
+        ],
+        ["--env.max_token_length", "1024"],
+        "Successfully processed 4 items",  # the stand-in, not the env's dummy fallback
     ),
 }
 GROUP_SIZE = 2
@@ -163,7 +171,7 @@ def test_env_file_processes_a_group(
     env_file: str, scripted_serve: ServeProcess, tmp_path: Path
 ) -> None:
     """``ENV.py process`` writes one scored group whose replies came from atropos-serve."""
-    replies, flags = PROCESS[env_file]
+    replies, flags, *expect = PROCESS[env_file]
     model = build_scripted_model(tmp_path / "model", replies)
     reload = httpx.post(
         scripted_serve.url + "/reload_weights", json={"path": str(model)}, timeout=120
@@ -204,7 +212,10 @@ def test_env_file_processes_a_group(
     )
     log = proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, log
-    assert "Processed 1 of 1 groups" in proc.stderr, log
+    # (not the "Processed 1 of 1 groups" log line: some envs silence atroposlib.envs.base)
+    assert f"Wrote 1 groups to {out}" in proc.stdout, log
+    for line in expect:
+        assert line in proc.stdout, log
     groups = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(groups) == 1, log
     group = groups[0]
