@@ -95,6 +95,14 @@ PROCESS: dict[str, tuple] = {
         ["--env.max_token_length", "1024"],
         "Successfully processed 4 items",  # the stand-in, not the env's dummy fallback
     ),
+    "fundamental_prediction_environment.py": (
+        [
+            "<think>Sales keep growing.</think>The revenue will be: raised and the magnitude "
+            "will be: 10%",
+            "<think>Hard to say.</think>The revenue will be: reduced and the magnitude will be: 5%",
+        ],
+        ["--env.max_token_length", "1024"],
+    ),
 }
 GROUP_SIZE = 2
 
