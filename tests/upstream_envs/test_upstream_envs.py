@@ -103,6 +103,15 @@ PROCESS: dict[str, tuple] = {
         ],
         ["--env.max_token_length", "1024"],
     ),
+    "tool_use_multiturn_server.py": (
+        [
+            '<think>The weather tool fits.</think>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>',
+            '<think>Maybe the other city.</think>\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}\n</tool_call>',
+        ],
+        ["--env.max_token_length", "2048", "--env.scenario_category", "single"],
+    ),
 }
 GROUP_SIZE = 2
 
