@@ -42,6 +42,15 @@ def _body(max_tokens: int, **extra) -> dict:
     }
 
 
+async def _generating(client: httpx.AsyncClient, url: str) -> None:
+    """Wait until the request just sent is in the batch (a fixed sleep raced a busy machine)."""
+    for _ in range(600):
+        if (await client.get(url + "/health")).json()["running"]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the request never started generating")
+
+
 async def _stream_times(client: httpx.AsyncClient, url: str, max_tokens: int) -> list[float]:
     """Arrival time of every streamed chunk of one completion, and its finish reason last."""
     times: list[float] = []
@@ -63,7 +72,7 @@ async def test_keep_freezes_generation_and_resume_continues_it(server) -> None:
     url = server.url
     async with httpx.AsyncClient(timeout=120) as client:
         streaming = asyncio.create_task(_stream_times(client, url, 400))
-        await asyncio.sleep(0.5)  # generating now
+        await _generating(client, url)
         paused = await client.post(url + "/pause", params={"mode": "keep"})
         assert paused.status_code == 200 and paused.json()["mode"] == "keep"
         assert (await client.get(url + "/is_paused")).json() == {"is_paused": True}
@@ -89,11 +98,13 @@ async def test_wait_lets_running_requests_finish_first(server) -> None:
     url = server.url
     async with httpx.AsyncClient(timeout=120) as client:
         running = asyncio.create_task(client.post(url + "/v1/completions", json=_body(60)))
-        await asyncio.sleep(0.3)
+        await _generating(client, url)
         paused = await client.post(url + "/pause", params={"wait_for_inflight_requests": "true"})
         assert paused.json()["mode"] == "wait"
-        assert running.done()  # the pause answered only once the running request was done
-        reply = running.result().json()
+        # The pause answered only once the running request was done (its reply, sent on
+        # another connection, may still be on its way).
+        assert (await client.get(url + "/health")).json()["running"] == 0
+        reply = (await asyncio.wait_for(running, 30)).json()
         assert reply["choices"][0]["finish_reason"] == "length"
         assert reply["usage"]["completion_tokens"] == 60
         waiting = asyncio.create_task(client.post(url + "/v1/completions", json=_body(4)))
@@ -107,7 +118,7 @@ async def test_abort_ends_running_requests_with_their_tokens_so_far(server) -> N
     url = server.url
     async with httpx.AsyncClient(timeout=120) as client:
         running = asyncio.create_task(client.post(url + "/v1/completions", json=_body(1500)))
-        await asyncio.sleep(0.5)
+        await _generating(client, url)
         paused = await client.post(url + "/pause")  # vLLM's default mode
         assert paused.json()["mode"] == "abort"
         reply = (await running).json()
@@ -123,7 +134,7 @@ async def test_reload_while_paused_in_keep_mode(server, tiny_model_dir_b) -> Non
     async with httpx.AsyncClient(timeout=120) as client:
         version = (await client.get(url + "/health")).json()["weights_version"]
         running = asyncio.create_task(client.post(url + "/v1/completions", json=_body(300)))
-        await asyncio.sleep(0.3)
+        await _generating(client, url)
         await client.post(url + "/pause", params={"mode": "keep"})
         # frozen rows do not block the reload (they continue on the new weights)
         reload = await client.post(url + "/reload_weights", json={"path": str(tiny_model_dir_b)})
