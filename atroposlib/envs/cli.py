@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import dataclasses
 import difflib
+import inspect
 import json
 import logging
 import sys
@@ -460,16 +462,42 @@ def build_env(env_cls: type, resolved: ResolvedConfig) -> Any:
             "proxy_url": resolved.manager_config.proxy_url,
         }
     )
+    # Extra arguments the class's own ``__init__`` does not take (an env listed before
+    # TeacherDistillationEnv among its bases, as upstream's gsm8k_server_teacher_distill.py,
+    # has GSM8kEnv's four-argument ``__init__``) reach the mixin's ``__init__`` through
+    # ``ENV_INIT_EXTRAS`` instead of a TypeError.
+    passed, extras = _split_init_kwargs(env_cls, resolved.extra_env_kwargs)
+    extras_token = ENV_INIT_EXTRAS.set(extras)
     try:
         return env_cls(
             config=resolved.env_config,
             server_configs=resolved.server_configs,
             slurm=resolved.manager_config.slurm,
             testing=resolved.manager_config.testing,
-            **resolved.extra_env_kwargs,
+            **passed,
         )
     finally:
+        ENV_INIT_EXTRAS.reset(extras_token)
         _SERVER_MANAGER_OPTIONS.reset(token)
+
+
+ENV_INIT_EXTRAS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "atropos_env_init_extras", default=None
+)
+
+
+def _split_init_kwargs(
+    env_cls: type, kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kwargs`` split into those ``env_cls.__init__`` accepts by name and the rest."""
+    try:
+        params = inspect.signature(env_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs), {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs), {}
+    passed = {k: v for k, v in kwargs.items() if k in params}
+    return passed, {k: v for k, v in kwargs.items() if k not in params}
 
 
 def run_cli(env_cls: type, argv: Sequence[str] | None = None) -> int:
