@@ -112,6 +112,50 @@ PROCESS: dict[str, tuple] = {
         ],
         ["--env.max_token_length", "2048", "--env.scenario_category", "single"],
     ),
+    "tool_use_turnlevel_advantage_server.py": (
+        {  # turn 2 (after the tool's answer, which has temp_c): narrate it
+            "temp_c": ["<think>Report it.</think>It is 21 degrees C in Paris."],
+            "": [
+                '<think>The weather tool fits.</think>\n<tool_call>\n{"name": "get_weather", '
+                '"arguments": {"city": "Paris"}}\n</tool_call>',
+                '<think>Maybe the other city.</think>\n<tool_call>\n{"name": "get_weather", '
+                '"arguments": {"city": "Rome"}}\n</tool_call>',
+            ],
+        },
+        [
+            "--env.max_token_length",
+            "4096",
+            "--env.scenario_category",
+            "single",
+            "--env.min_tool_call_turns",
+            "1",
+        ],
+    ),
+    "gsm8k_server_axolotl.py": (
+        [
+            "Let me think about it carefully. The final answer is \\boxed{18}",
+            "I am not sure what this question asks, sorry",
+        ],
+        ["--env.max_token_length", "256"],
+    ),
+    "gsm8k_server_teacher_distill.py": (
+        [
+            "Let me think about it carefully. The final answer is \\boxed{18}",
+            "I am not sure what this question asks, sorry",
+        ],
+        [
+            "--env.max_token_length",
+            "256",
+            "--teacher.base_url",
+            "{url}/v1",
+            "--teacher.model_name",
+            "tiny",
+            "--teacher.server_type",
+            "vllm",
+            "--teacher.tokenizer_name",
+            "{model}",  # the scripted model's folder holds the SmolLM2 tokenizer
+        ],
+    ),
 }
 GROUP_SIZE = 2
 
@@ -219,7 +263,7 @@ def test_env_file_processes_a_group(
             # a group whose sampled replies happen to score the same is dropped and retried
             "--env.ensure_scores_are_not_same",
             "true",
-            *flags,
+            *(f.replace("{url}", scripted_serve.url).replace("{model}", str(model)) for f in flags),
         ],
         capture_output=True,
         text=True,
@@ -239,3 +283,5 @@ def test_env_file_processes_a_group(
     assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == GROUP_SIZE
     assert len(set(group["scores"])) > 1  # scored the scripts differently
     assert all(-100 in masks for masks in group["masks"])  # prompts masked, replies trained
+    if "teacher" in env_file:  # the teacher (the same server) gave top-k logprobs per token
+        assert [len(t) for t in group["distill_token_ids"]] == [len(t) for t in group["tokens"]]
