@@ -134,7 +134,13 @@ async def test_generation_aborted_by_a_pause_is_run_again(tiny_config: APIServer
             )
         )
         async with httpx.AsyncClient(timeout=60) as client:
-            await asyncio.sleep(0.4)
+            # pause while the rows are generating (a fixed sleep raced a fast machine: the
+            # 300 tokens were done before the pause)
+            deadline = asyncio.get_running_loop().time() + 30
+            while (await client.get(base + "/health")).json().get("running", 0) < 2:
+                assert not call.done(), "the generation finished before it could be paused"
+                assert asyncio.get_running_loop().time() < deadline, "never started generating"
+                await asyncio.sleep(0.01)
             assert (await client.post(base + "/pause", params={"mode": "abort"})).status_code == 200
             await asyncio.sleep(1.0)
             assert not call.done()  # the re-run waits in the paused server's queue
