@@ -27,7 +27,10 @@ def free_port() -> int:
 class ApiProcess:
     """``python -m atroposlib.cli.run_api`` as a child process on a free loopback port."""
 
-    def __init__(self, *args: str, log_path: Path, port: int | None = None) -> None:
+    def __init__(
+        self, *args: str, log_path: Path, port: int | None = None, python: str = sys.executable
+    ) -> None:
+        self.python = python
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = args
@@ -42,7 +45,7 @@ class ApiProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
-                sys.executable,
+                self.python,
                 "-m",
                 "atroposlib.cli.run_api",
                 "--host",

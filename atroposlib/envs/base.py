@@ -250,7 +250,7 @@ class BaseEnv(ABC):
     def _resolve_tokenizer_name(name: str) -> str:
         if name == SMOLLM2_ALIAS:
             # the model atropos-serve ships with: its local tokenizer, no Hub access needed
-            from atroposlib.inference.models import smollm2_tokenizer_dir
+            from atroposlib.inference.assets import smollm2_tokenizer_dir
 
             return str(smollm2_tokenizer_dir())
         return name

