@@ -17,10 +17,10 @@ import json
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.middleware.gzip import GZipMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from atroposlib.api.ingest import (
     BodyTooLarge,
@@ -51,7 +51,12 @@ from atroposlib.api.queue import (
 )
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
-from atroposlib.utils.http_security import HttpSecurityMiddleware, loopback_hosts
+from atroposlib.utils.http_security import (
+    HttpSecurityMiddleware,
+    loopback_hosts,
+    replay_body,
+    split_names,
+)
 
 try:  # Intel ISA-L: 4x faster gzip than zlib, same format
     from isal import igzip as _gzip
@@ -156,16 +161,7 @@ class RequestBodyMiddleware:
                 headers["content-length"] = str(len(body.data))
                 del headers["content-encoding"]
                 del headers["transfer-encoding"]
-            delivered = False
-
-            async def replay() -> Message:
-                nonlocal delivered
-                if delivered:
-                    return await receive()
-                delivered = True
-                return {"type": "http.request", "body": body.data, "more_body": False}
-
-            await self.app(scope, replay, send)
+            await self.app(scope, replay_body(body.data, receive), send)
         finally:
             body.release()
 
@@ -226,11 +222,6 @@ def _busy_response(budget: int, retry_after_s: int) -> JSONResponse:
             headers={"Retry-After": str(max(1, retry_after_s))},
         )
     )
-
-
-def _names(text: str) -> list[str]:
-    """A comma-separated flag value as a list of its non-empty items."""
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _json(data: Any) -> Response:
@@ -366,7 +357,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.settings = settings
 
     app.add_middleware(SkipPrecompressedGZip, minimum_size=_GZIP_MINIMUM)
-    origins = _names(settings.cors_allow_origin)
+    origins = split_names(settings.cors_allow_origin)
     if origins:
         app.add_middleware(
             CORSMiddleware,
@@ -387,7 +378,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     app.add_middleware(  # outermost: refuses before a body is read
         HttpSecurityMiddleware,
-        allowed_hosts=loopback_hosts(settings.host, _names(settings.allowed_hosts)),
+        allowed_hosts=loopback_hosts(settings.host, split_names(settings.allowed_hosts)),
         allowed_origins=origins,
         state_changing_gets=STATE_CHANGING_GETS,
     )
@@ -563,7 +554,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         return await ingest(await request.body(), many=True)
 
     @app.get("/batch")
-    async def batch(request: Request, ack: int | None = None) -> Response:
+    async def batch(
+        request: Request, ack: Annotated[int | None, Query(ge=0, lt=2**62)] = None
+    ) -> Response:
         """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready.
 
         ``?ack=N`` (optional, not in upstream): the trainer has received every batch up to step
@@ -571,15 +564,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         out again (at-least-once); without it a batch is gone once handed out (at-most-once,
         upstream's behaviour). The batch's step is in the ``X-Atropos-Step`` header.
         """
-        if ack is not None and not 0 <= ack < 2**62:
-            return _problem_response(
-                HTTPProblem(422, "ack must be a step number >= 0", ("query", "ack"))
-            )
         take = partial(queue.take_batch, ack)
         try:
             result = await run_in_threadpool(take) if queue.store.durable else take()
         except Refused as exc:
-            return _problem_response(HTTPProblem(exc.status, exc.message, ("query", *exc.loc[1:])))
+            return _problem_response(HTTPProblem(exc.status, exc.message, exc.loc))
         if isinstance(result, dict):
             return _json(result)
         headers = {"X-Atropos-Step": str(result.step)}

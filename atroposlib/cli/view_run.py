@@ -504,9 +504,9 @@ def main(
     )
     from starlette.middleware import Middleware
 
-    from atroposlib.utils.http_security import HttpSecurityMiddleware, loopback_hosts
+    from atroposlib.utils.http_security import HttpSecurityMiddleware, loopback_hosts, split_names
 
-    extra_hosts = [h for h in args.allowed_hosts.split(",") if h.strip()]
+    extra_hosts = split_names(args.allowed_hosts)
     security = Middleware(
         HttpSecurityMiddleware,
         # a share link's tunnel arrives under its own name: no Host check then

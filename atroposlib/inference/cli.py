@@ -28,11 +28,6 @@ def _size(text: str) -> int:
     return int(number) * _SIZE_UNITS[unit]
 
 
-def _names(text: str) -> list[str]:
-    """The non-empty items of a comma-separated list."""
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options of ``atropos-serve``."""
     parser = argparse.ArgumentParser(
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     from atroposlib.inference.engine import GenerationEngine
     from atroposlib.inference.models import load_model
     from atroposlib.inference.server import ServerState, create_app
-    from atroposlib.utils.http_security import loopback_hosts
+    from atroposlib.utils.http_security import loopback_hosts, split_names
 
     # The engine's scheduler thread does the model's work with this many threads; every
     # other thread (this one loads the model) runs torch single-threaded, so that only the
@@ -212,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype=loaded.dtype,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
-        allowed_hosts=loopback_hosts(args.host, _names(args.allowed_hosts)),
-        cors_origins=tuple(_names(args.cors_allow_origin)),
+        allowed_hosts=loopback_hosts(args.host, split_names(args.allowed_hosts)),
+        cors_origins=tuple(split_names(args.cors_allow_origin)),
     )
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -28,7 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from atroposlib.inference.engine import (
     EngineError,
@@ -48,7 +48,7 @@ from atroposlib.inference.protocol import (
     ReloadRequest,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
-from atroposlib.utils.http_security import HttpSecurityMiddleware
+from atroposlib.utils.http_security import HttpSecurityMiddleware, replay_body
 
 logger = logging.getLogger(__name__)
 
@@ -499,7 +499,7 @@ class _Guard:
             body = await self._read_body(scope, receive, send, headers)
             if body is None:
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
     async def _read_body(
@@ -531,19 +531,6 @@ class _Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` once, then whatever the server sends (the
-    disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay() -> Message:
-        if pending:
-            return pending.pop()
-        return await receive()
-
-    return replay
 
 
 # ---------------------------------------------------------------------- helpers

@@ -28,12 +28,31 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 #: Host names that always mean this machine.
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _SAME_SITE_FETCH = frozenset({b"same-origin", b"none"})
+
+
+def split_names(text: str) -> list[str]:
+    """The non-empty items of a comma-separated flag value (``--allowed-hosts``,
+    ``--cors-allow-origin``), stripped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` for the app behind a middleware that read the whole body first: it gives
+    ``body`` once, then whatever the server sends next (the client's disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
 
 
 def is_loopback(bind_host: str) -> bool:
