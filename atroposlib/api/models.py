@@ -1,17 +1,34 @@
 """Wire types of the trajectory API (field names and validation; no queues, no HTTP).
 
-Field names, types and defaults are upstream Atropos's, so existing environments and trainers
-keep working. On top of upstream's per-field type checks, :func:`check_group` verifies what
-upstream never did: that the per-sequence lists of a group agree in length, that a group is not
-empty, and that values are finite. Every problem is reported with the path of the field.
+The scored-group schema (``ScoredData``, ``check_group``, the key lists) is defined once in
+:mod:`atroposlib.schema` and re-exported here; this module adds the registration bodies.
+Field names, types and defaults are upstream Atropos's.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field
+
+from atroposlib.schema import (
+    GROUP_KEYS,
+    PER_SEQUENCE_KEYS,
+    GroupError,
+    ScoredData,
+    check_group,
+)
+
+__all__ = [
+    "GROUP_KEYS",
+    "PER_SEQUENCE_KEYS",
+    "EnvIdentifier",
+    "GroupError",
+    "RegisterEnv",
+    "Registration",
+    "ScoredData",
+    "check_group",
+]
 
 #: Longest env name (``desired_name``) accepted by ``/register-env``.
 MAX_NAME_CHARS = 256
@@ -36,38 +53,6 @@ Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(valid_uni
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(valid_unicode)]
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-
-#: Keys every stored group carries (upstream's 14), in upstream's order.
-GROUP_KEYS: tuple[str, ...] = (
-    "tokens",
-    "masks",
-    "scores",
-    "advantages",
-    "ref_logprobs",
-    "messages",
-    "generation_params",
-    "inference_logprobs",
-    "overrides",
-    "group_overrides",
-    "images",
-    "env_id",
-    "distill_token_ids",
-    "distill_logprobs",
-)
-
-#: Per-sequence fields: a list with one entry per sequence of the group.
-PER_SEQUENCE_KEYS: tuple[str, ...] = (
-    "tokens",
-    "masks",
-    "scores",
-    "advantages",
-    "ref_logprobs",
-    "messages",
-    "inference_logprobs",
-    "overrides",
-    "distill_token_ids",
-    "distill_logprobs",
-)
 
 
 class Registration(BaseModel):
@@ -105,139 +90,3 @@ class EnvIdentifier(BaseModel):
     """Body of ``/disconnect-env`` and ``/status-env``."""
 
     env_id: int
-
-
-class ScoredData(BaseModel):
-    """One scored group, as environments POST it to ``/scored_data``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    tokens: list[list[int]] = Field(description="Token ids of each sequence (prompt+completion).")
-    masks: list[list[int]] = Field(
-        description="Per-token labels: -100 where not trained, else the token id."
-    )
-    scores: list[float] = Field(description="One reward per sequence.")
-    advantages: list[list[float]] | None = Field(
-        default=None, description="Optional per-token advantages (or one value per sequence)."
-    )
-    ref_logprobs: list[list[float]] | None = None
-    messages: list[list[dict[str, Any]]] | None = Field(
-        default=None, description="Chat messages per sequence (each needs role and content)."
-    )
-    generation_params: dict[str, Any] | None = None
-    inference_logprobs: list[list[float]] | None = Field(
-        default=None, description="Sampler log-probs aligned with tokens (1.0 where masked)."
-    )
-    overrides: list[dict[str, Any]] | None = Field(
-        default=None, description="Per-sequence flags, e.g. set_advantage_to_zero."
-    )
-    group_overrides: dict[str, Any] | None = None
-    images: Any | None = None
-    env_id: int | None = Field(default=None, description="Id returned by /register-env.")
-    distill_token_ids: list[list[list[int]]] | None = None
-    distill_logprobs: list[list[list[float]]] | None = None
-
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _messages_have_role_and_content(cls, value: Any) -> Any:
-        if value is None or not isinstance(value, list):
-            return value
-        for i, conversation in enumerate(value):
-            if not isinstance(conversation, list):
-                continue  # the type check reports it with its position
-            for j, message in enumerate(conversation):
-                if isinstance(message, dict) and (
-                    "role" not in message or "content" not in message
-                ):
-                    raise ValueError(
-                        f"messages[{i}][{j}]: Message must have 'role' and 'content' fields"
-                    )
-        return value
-
-
-class GroupError(ValueError):
-    """A group that type-checks but is inconsistent. ``loc`` is the offending field's path."""
-
-    def __init__(self, loc: tuple[str | int, ...], msg: str, kind: str = "invalid") -> None:
-        super().__init__(msg)
-        self.loc = loc
-        self.msg = msg
-        self.kind = kind
-
-
-def _all_finite(values: list[float]) -> int | None:
-    """Index of the first non-finite value, or None."""
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            return i
-    return None
-
-
-def check_group(group: ScoredData) -> None:
-    """Raise :class:`GroupError` if the lists of ``group`` disagree in length or hold NaN/inf.
-
-    Accepted shapes: ``masks``, ``inference_logprobs`` and (when per-token) ``advantages`` have
-    exactly ``len(tokens[i])`` entries for sequence ``i``; ``advantages[i]`` may also be a
-    single per-sequence value. Every other per-sequence field needs one entry per sequence.
-    """
-    n = len(group.tokens)
-    if n == 0:
-        raise GroupError(("tokens",), "group is empty: tokens must hold at least one sequence")
-    for key in PER_SEQUENCE_KEYS:
-        value = getattr(group, key)
-        if value is not None and len(value) != n and key != "messages":
-            raise GroupError((key,), f"{key} has {len(value)} entries but tokens has {n} sequences")
-    if group.messages is not None and len(group.messages) not in (0, n):
-        raise GroupError(
-            ("messages",), f"messages has {len(group.messages)} entries but tokens has {n}"
-        )
-
-    for i, seq in enumerate(group.tokens):
-        if not seq:
-            raise GroupError(("tokens", i), f"tokens[{i}] is empty")
-        if len(group.masks[i]) != len(seq):
-            raise GroupError(
-                ("masks", i),
-                f"masks[{i}] has {len(group.masks[i])} entries but tokens[{i}] has {len(seq)}",
-            )
-        if group.inference_logprobs is not None and len(group.inference_logprobs[i]) != len(seq):
-            raise GroupError(
-                ("inference_logprobs", i),
-                f"inference_logprobs[{i}] has {len(group.inference_logprobs[i])} entries "
-                f"but tokens[{i}] has {len(seq)}",
-            )
-        if group.advantages is not None and len(group.advantages[i]) not in (1, len(seq)):
-            raise GroupError(
-                ("advantages", i),
-                f"advantages[{i}] has {len(group.advantages[i])} entries; expected "
-                f"{len(seq)} (per token) or 1 (per sequence)",
-            )
-
-    bad = _all_finite(group.scores)
-    if bad is not None:
-        raise GroupError(("scores", bad), f"scores[{bad}] is not a finite number")
-    for key in ("advantages", "ref_logprobs", "inference_logprobs"):
-        rows = getattr(group, key)
-        for i, row in enumerate(rows or ()):
-            bad = _all_finite(row)
-            if bad is not None:
-                raise GroupError((key, i, bad), f"{key}[{i}][{bad}] is not a finite number")
-    for i, positions in enumerate(group.distill_logprobs or ()):
-        for j, row in enumerate(positions):
-            bad = _all_finite(row)
-            if bad is not None:
-                raise GroupError(
-                    ("distill_logprobs", i, j, bad),
-                    f"distill_logprobs[{i}][{j}][{bad}] is not a finite number",
-                )
-
-    if group.distill_token_ids is not None and group.distill_logprobs is not None:
-        for i, (ids, lps) in enumerate(
-            zip(group.distill_token_ids, group.distill_logprobs, strict=True)
-        ):
-            if len(ids) != len(lps):
-                raise GroupError(
-                    ("distill_logprobs", i),
-                    f"distill_logprobs[{i}] has {len(lps)} positions but "
-                    f"distill_token_ids[{i}] has {len(ids)}",
-                )

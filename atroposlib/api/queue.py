@@ -38,31 +38,16 @@ from typing import Any
 
 import orjson
 
-from atroposlib.api.models import GROUP_KEYS, PER_SEQUENCE_KEYS, RegisterEnv, Registration
+from atroposlib.api.models import RegisterEnv, Registration
 from atroposlib.api.packing import PackItem, exact_fill, pack_batch
 from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
 from atroposlib.api.utils import find_groups_summing_to_target
+from atroposlib.schema import EMPTY_EXAMPLE, GROUP_KEYS, PER_SEQUENCE_KEYS
 
 logger = logging.getLogger(__name__)
 
 #: Floor of an env's share in ``/status-env`` so no env is starved completely (upstream's value).
 MIN_ENV_WEIGHT = 0.01
-
-#: ``/latest_example`` before any group arrived (upstream's shape).
-EMPTY_EXAMPLE: dict[str, list] = {
-    key: []
-    for key in (
-        "tokens",
-        "masks",
-        "scores",
-        "advantages",
-        "ref_logprobs",
-        "generation_params",
-        "inference_logprobs",
-        "messages",
-        "images",
-    )
-}
 
 
 @dataclass(frozen=True)

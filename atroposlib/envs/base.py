@@ -41,7 +41,6 @@ What the runtime guarantees (``serve``)
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import math
@@ -53,17 +52,18 @@ import traceback
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
-from typing_extensions import TypedDict
 
 from atroposlib.envs import throttle
 from atroposlib.envs.config import BaseEnvConfig, EvalHandlingEnum
 from atroposlib.envs.eval import evaluate_log as _evaluate_log
+from atroposlib.envs.options import SERVER_MANAGER_OPTIONS
 from atroposlib.envs.sending import (
     ApiRefused,
     JsonlWriter,
@@ -78,7 +78,9 @@ from atroposlib.envs.server_handling.server_baseline import (
     ServerBaseline,
 )
 from atroposlib.envs.server_handling.server_manager import ServerManager, ServerManagerConfig
-from atroposlib.type_definitions import UUID, Item, Message
+from atroposlib.schema import ITEM_KEYS, REQUIRED_KEYS, ScoredDataGroup, ScoredDataItem
+from atroposlib.type_definitions import UUID, Item
+from atroposlib.utils.concurrency import gather_bounded
 from atroposlib.utils.metrics import get_std_min_max_avg
 
 logger = logging.getLogger(__name__)
@@ -97,59 +99,12 @@ __all__ = [
 ]
 
 
-class ScoredDataGroup(TypedDict, total=False):
-    """One scored group (every key may be missing; the API requires tokens, masks, scores).
-
-    ``masks`` are labels: -100 where not trained on, the token id where trained.
-    ``inference_logprobs`` carry 1.0 at masked positions.
-    """
-
-    tokens: list[list[int]]
-    masks: list[list[int]]
-    scores: list[float]
-    advantages: list[list[float]] | None
-    ref_logprobs: list[list[float]] | None
-    messages: list[list[Message]] | None
-    generation_params: dict[str, Any] | None
-    inference_logprobs: list[list[float]] | None
-    group_overrides: dict | None
-    overrides: list[dict] | None
-    images: Any | None
-    distill_token_ids: list[list[list[int]]] | None
-    distill_logprobs: list[list[list[float]]] | None
-
-
-class ScoredDataItem(TypedDict, total=False):
-    """One scored trajectory, as ``collect_trajectory`` returns it."""
-
-    tokens: list[int]
-    masks: list[int]
-    scores: float
-    advantages: list[float] | None
-    ref_logprobs: list[float] | None
-    messages: list[Message] | None
-    group_overrides: dict | None
-    overrides: dict | None
-    images: Any | None
-    inference_logprobs: list[float] | None
-    distill_token_ids: list[list[int]] | None
-    distill_logprobs: list[list[float]] | None
-
-
-#: ServerManager options the CLI sets for the env it builds (``max_n_completions``,
-#: ``proxy_url``): passed this way so subclasses' ``__init__(config, server_configs, slurm,
-#: testing)`` signatures keep working.
-_SERVER_MANAGER_OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "atropos_server_manager_options", default=None
-)
-
 #: ``tokenizer_name`` that means atropos-serve's bundled SmolLM2-135M-Instruct tokenizer.
 SMOLLM2_ALIAS = "SmolLM2-135M-Instruct"
 #: Seconds between two ``/status-env`` polls of the main loop.
 STATUS_POLL_INTERVAL = 0.1
 #: Most groups per ``/scored_data_list`` request when sends are coalesced.
 MAX_GROUPS_PER_POST = 64
-_PER_SEQUENCE_KEYS = ("masks", "scores")
 
 
 class _StopServing(Exception):
@@ -184,7 +139,7 @@ class BaseEnv(ABC):
         self.task_successful: list[int] = []
         self.last_loop_time: float | None = None
         self.last_completed_item: Item = None
-        options = _SERVER_MANAGER_OPTIONS.get() or {}
+        options = SERVER_MANAGER_OPTIONS.get() or {}
         self.tokenizer = self._load_tokenizer(config.tokenizer_name)
         self.server = ServerManager(
             self._with_server_tokenizers(server_configs),
@@ -203,6 +158,11 @@ class BaseEnv(ABC):
         self.eval_workers: set[asyncio.Task] = set()
         self.backlog: list[Item] = []
         self.rollouts_for_wandb: list[list[tuple[str, float]]] = []
+        #: Evaluation metrics ``(name, value)`` waiting for the next ``wandb_log`` (upstream's
+        #: attribute; ``evaluate_log`` fills it, ``wandb_log`` logs and clears it).
+        self.eval_metrics: list[tuple[str, Any]] = []
+        #: Training metrics buffered by ``log_train_metric``: name -> values since last log.
+        self._train_metrics: dict[str, list[float]] = {}
         self.running_items: dict[UUID, dict[str, Any]] = {}
         self.wandb_project: str | None = None
         self.wandb_group: str | None = None
@@ -370,16 +330,7 @@ class BaseEnv(ABC):
             "masks": [it["masks"] for it in items],
             "scores": [it["scores"] for it in items],
         }
-        for key in (
-            "advantages",
-            "ref_logprobs",
-            "messages",
-            "overrides",
-            "images",
-            "inference_logprobs",
-            "distill_token_ids",
-            "distill_logprobs",
-        ):
+        for key in ITEM_KEYS:
             values = [it.get(key) for it in items]
             if all(v is not None for v in values):
                 group[key] = values
@@ -430,6 +381,43 @@ class BaseEnv(ABC):
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
         logger.info("Saved env checkpoint %s", path)
+
+    # ------------------------------------------------------------------ metrics
+
+    def log_train_metric(self, name: str, value: float | Iterable[float]) -> None:
+        """Buffer a training metric (one value or several); the next ``wandb_log`` logs the
+        mean of everything buffered under ``name`` since the last one, then clears it.
+
+        Use the full key, e.g. ``self.log_train_metric("train/percent_correct", 1.0)``; this
+        replaces the "buffer, average, clear, ``super().wandb_log``" override."""
+        values = [float(value)] if isinstance(value, (int, float)) else [float(v) for v in value]
+        self._train_metrics.setdefault(name, []).extend(values)
+
+    async def run_eval(
+        self,
+        jobs: Iterable[Awaitable[dict[str, Any]]],
+        metrics: Callable[[list[dict[str, Any]]], dict[str, float]],
+        *,
+        generation_parameters: dict[str, Any] | None = None,
+        task_name: str | None = None,
+        desc: str = "eval",
+    ) -> dict[str, float]:
+        """The usual ``evaluate`` body: run ``jobs`` (one per eval item, each returning a
+        sample dict) at most ``max_eval_workers`` at a time with a progress bar, reduce the
+        samples with ``metrics``, write them with ``evaluate_log`` (which also queues them for
+        W&B, once) and return the metrics."""
+        start = time.time()
+        samples = await gather_bounded(list(jobs), self.config.max_eval_workers, desc=desc)
+        result = metrics(samples)
+        await self.evaluate_log(
+            result,
+            task_name=task_name,
+            samples=samples,
+            start_time=start,
+            end_time=time.time(),
+            generation_parameters=generation_parameters,
+        )
+        return result
 
     # ------------------------------------------------------------------ W&B
 
@@ -536,6 +524,13 @@ class BaseEnv(ABC):
         Buffers are cleared even when W&B is off.
         """
         wandb_metrics = {} if wandb_metrics is None else dict(wandb_metrics)
+        for name, values in self._train_metrics.items():
+            if values:
+                wandb_metrics.setdefault(name, sum(values) / len(values))
+        self._train_metrics = {}
+        for name, value in self.eval_metrics:
+            wandb_metrics.setdefault(name, value)
+        self.eval_metrics = []
         server_metrics: dict[str, Any] = {}
         for i, server in enumerate(self.server.servers):
             metrics_fn = getattr(server, "wandb_metrics", None)
@@ -586,7 +581,8 @@ class BaseEnv(ABC):
 
         ``task_name`` defaults to ``{name}_eval``; ``model_name`` to the config's
         ``model_name`` or the first server's; ``generation_parameters`` are laid over
-        ``{"max_new_tokens": max_token_length}``. Metrics are also logged to W&B when on.
+        ``{"max_new_tokens": max_token_length}``. The numeric metrics are queued in
+        ``eval_metrics`` for the next ``wandb_log`` (logged once).
         """
         self._evaluate_logged = True
         if task_name is None:
@@ -612,12 +608,9 @@ class BaseEnv(ABC):
                 samples=samples,
                 verbose=verbose,
             )
-        if self.config.use_wandb and self._wandb_run is not None:
-            try:
-                numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-                self._wandb_run.log(numeric, step=self.curr_step)
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("W&B log failed: %s", exc)
+        # logged to W&B by the next ``wandb_log`` (once; envs that also queue the same keys in
+        # ``eval_metrics`` overwrite them, they are not logged twice)
+        self.eval_metrics.extend((k, v) for k, v in metrics.items() if isinstance(v, (int, float)))
 
     # ------------------------------------------------------------------ API: registration
 
@@ -798,7 +791,7 @@ class BaseEnv(ABC):
         if not isinstance(tokens, list) or not tokens:
             logger.warning("Dropping a group without tokens: %s", str(group)[:200])
             return "malformed"
-        for key in _PER_SEQUENCE_KEYS:
+        for key in REQUIRED_KEYS[1:]:  # masks, scores: one entry per token list
             values = group.get(key)
             if not isinstance(values, list) or len(values) != len(tokens):
                 logger.warning(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import dataclasses
 import difflib
 import inspect
@@ -39,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from atroposlib.envs.constants import ENV_NAMESPACE, NAMESPACE_SEP, OPENAI_NAMESPACE
+from atroposlib.envs.options import ENV_INIT_EXTRAS, SERVER_MANAGER_OPTIONS
 from atroposlib.envs.server_handling.openai_server import (
     ServerConfigError,
     resolve_openai_configs,
@@ -454,9 +454,7 @@ def _warn_local(servers: Any, command: str) -> None:
 
 def build_env(env_cls: type, resolved: ResolvedConfig) -> Any:
     """Construct the env from ``resolved`` (ServerManager options passed through)."""
-    from atroposlib.envs.base import _SERVER_MANAGER_OPTIONS
-
-    token = _SERVER_MANAGER_OPTIONS.set(
+    token = SERVER_MANAGER_OPTIONS.set(
         {
             "max_n_completions": resolved.manager_config.max_n_completions,
             "proxy_url": resolved.manager_config.proxy_url,
@@ -478,12 +476,7 @@ def build_env(env_cls: type, resolved: ResolvedConfig) -> Any:
         )
     finally:
         ENV_INIT_EXTRAS.reset(extras_token)
-        _SERVER_MANAGER_OPTIONS.reset(token)
-
-
-ENV_INIT_EXTRAS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "atropos_env_init_extras", default=None
-)
+        SERVER_MANAGER_OPTIONS.reset(token)
 
 
 def _split_init_kwargs(

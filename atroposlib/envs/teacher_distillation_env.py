@@ -138,12 +138,12 @@ class TeacherDistillationEnv(BaseEnv, ABC):
         ``GSM8kTeacherDistillEnv(GSM8kEnv, TeacherDistillationEnv)``) calls this as
         ``super().__init__(config, server_configs, slurm, testing)``: a bool in the third place
         is ``slurm``, and the teacher configs then come from the command line
-        (:data:`atroposlib.envs.cli.ENV_INIT_EXTRAS`). Upstream raised TypeError there.
+        (:data:`atroposlib.envs.options.ENV_INIT_EXTRAS`). Upstream raised TypeError there.
         """
         if isinstance(teacher_server_configs, bool):
             teacher_server_configs, slurm, testing = None, teacher_server_configs, slurm
         if teacher_server_configs is None:
-            from atroposlib.envs.cli import ENV_INIT_EXTRAS
+            from atroposlib.envs.options import ENV_INIT_EXTRAS
 
             teacher_server_configs = (ENV_INIT_EXTRAS.get() or {}).get("teacher_server_configs")
         super().__init__(config, server_configs, slurm=slurm, testing=testing)

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from atroposlib.schema import ScoredDataGroup
 from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
-
-if TYPE_CHECKING:
-    from atroposlib.envs.base import ScoredDataGroup
 
 logger = logging.getLogger(__name__)
 
