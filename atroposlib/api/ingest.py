@@ -1,12 +1,15 @@
-"""Request bodies of the trajectory API: read them, bounded, and turn scored groups into queue
-entries (no routing, no responses: :mod:`atroposlib.api.server` does that).
+"""Request bodies of the trajectory API: decompress, validate, serialise. No HTTP here (no
+requests, responses or status codes): :mod:`atroposlib.api.server` reads the chunks off the
+connection, calls these, and maps what they raise to responses.
 
-* :func:`read_body` is the only place a body is read: it decompresses ``Content-Encoding:
-  gzip`` as the chunks arrive and stops the moment the decompressed size passes the cap (a gzip
-  bomb costs at most the cap, not its inflated size), and it charges every byte it holds to an
+* :func:`read_body` is the one place a body is decompressed and capped: it inflates gzip as the
+  chunks arrive and stops the moment the decompressed size passes the cap (a gzip bomb costs
+  at most the cap, not its inflated size), and it charges every byte it holds to an
   :class:`IngestBudget` shared by all requests in flight, so concurrent big bodies cannot add up
-  to more than the budget (past it: :class:`IngestBusy`, answered ``503`` + ``Retry-After``).
-* :func:`prepare_groups` parses, validates and serialises the body of ``/scored_data(_list)``.
+  to more than the budget (past it: :class:`IngestBusy`).
+* :func:`prepare_groups` parses, validates and serialises scored groups; what it refuses it
+  raises as :class:`~atroposlib.api.queue.Refused` with reason ``bad_json`` (not JSON) or
+  ``invalid`` (JSON that is not valid scored data), naming the field.
 * :class:`GroupParser` runs it inline, in a worker thread, or for big bodies in a worker
   *process*: parsing holds Python's GIL for about 20 ms per MiB, and done in the server's own
   process a 100 MiB body would freeze ``/status`` and ``/batch`` for seconds.
@@ -15,9 +18,11 @@ entries (no routing, no responses: :mod:`atroposlib.api.server` does that).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import multiprocessing
+from collections.abc import AsyncIterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -27,10 +32,9 @@ import anyio
 import anyio.to_thread
 import orjson
 from pydantic import TypeAdapter, ValidationError
-from starlette.types import Receive
 
-from atroposlib.api.models import GroupError, ScoredData, check_group
-from atroposlib.api.queue import PreparedGroup
+from atroposlib.api.queue import PreparedGroup, Refused
+from atroposlib.schema import GroupError, ScoredData, check_group
 
 try:  # Intel ISA-L: 2x faster gunzip than zlib, same format
     from isal import isal_zlib as _zlib
@@ -53,34 +57,6 @@ _FREE_FORM = ("messages", "generation_params", "overrides", "group_overrides", "
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what orjson (and the trainer's JSON) can hold
 
 
-class HTTPProblem(Exception):
-    """An error answered as ``{"detail": [...]}`` (FastAPI's shape) with a status code."""
-
-    def __init__(
-        self,
-        status: int,
-        msg: str,
-        loc: tuple[Any, ...] = ("body",),
-        kind: str = "value_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(msg)
-        self.status = status
-        self.detail: list[dict[str, Any]] = [{"loc": list(loc), "msg": msg, "type": kind}]
-        self.headers = headers
-
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses the process boundary intact
-        return (_rebuild_problem, (self.status, self.detail, self.headers))
-
-
-def _rebuild_problem(
-    status: int, detail: list[dict[str, Any]], headers: dict[str, str] | None
-) -> HTTPProblem:
-    problem = HTTPProblem(status, detail[0]["msg"] if detail else "", headers=headers)
-    problem.detail = detail
-    return problem
-
-
 class BodyTooLarge(Exception):
     """The body (after decompression) passed the cap."""
 
@@ -91,10 +67,6 @@ class InvalidGzip(Exception):
 
 class IngestBusy(Exception):
     """The bodies already being read and parsed hold the whole ingest budget."""
-
-
-class ClientGone(Exception):
-    """The client disconnected before its body arrived."""
 
 
 class IngestBudget:
@@ -170,25 +142,22 @@ class _Inflater:
             raise EOFError("truncated gzip stream")
 
 
-async def read_body(receive: Receive, cap: int, gzipped: bool, budget: IngestBudget | None) -> Body:
-    """Read the whole body from ``receive``, decompressing gzip on the fly.
+async def read_body(
+    stream: AsyncIterable[bytes], cap: int, gzipped: bool, budget: IngestBudget | None
+) -> Body:
+    """Read the whole body from ``stream`` (its chunks as they arrive), inflating gzip on the fly.
 
     Raises :class:`BodyTooLarge` as soon as the wire size or the decompressed size passes
-    ``cap``, :class:`InvalidGzip`, :class:`IngestBusy` when ``budget`` has no room left for the
-    bytes held, and :class:`ClientGone`. Nothing stays charged to ``budget`` when it raises.
+    ``cap``, :class:`InvalidGzip`, and :class:`IngestBusy` when ``budget`` has no room left for
+    the bytes held; what ``stream`` raises passes through. Nothing stays charged to ``budget``
+    when it raises.
     """
     body = Body(b"", budget)
     chunks: list[bytes] = []
     inflater = _Inflater(cap) if gzipped else None
     wire = 0
     try:
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            more = message.get("more_body", False)
+        async for chunk in stream:
             wire += len(chunk)
             if wire > cap:
                 raise BodyTooLarge
@@ -266,63 +235,75 @@ def _describe(loc: tuple[Any, ...]) -> str:
     return name + "".join(f"[{k!r}]" if isinstance(k, str) else f"[{k}]" for k in loc[1:])
 
 
+def _invalid(msg: str, loc: tuple[Any, ...] = (), kind: str = "value_error") -> Refused:
+    return Refused("invalid", msg, loc, kind)
+
+
+def _not_json(msg: str) -> Refused:
+    return Refused("bad_json", f"request body is not valid JSON: {msg}", kind="json_invalid")
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` parsed as JSON, or :class:`Refused` (``bad_json``).
+
+    NaN and Infinity (which Python's json module, and so ``requests``, writes) are accepted
+    here, so that the checks after parsing can name the field instead of failing the body.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _not_json(str(exc)) from None
+    except RecursionError:
+        raise _not_json("nested too deeply") from None
+
+
 def _serialise(group: ScoredData, prefix: tuple[Any, ...]) -> bytes:
-    """The group's payload (orjson, fields in upstream's order), or a 422 naming the value
-    that JSON cannot carry."""
+    """The group's payload (orjson, fields in upstream's order), or :class:`Refused` naming the
+    value that JSON cannot carry."""
     for key in _FREE_FORM:  # orjson writes NaN as null: refuse it instead of changing it
         loc, what = _bad_value(getattr(group, key), (key,))
         if loc:
-            raise HTTPProblem(422, f"{_describe(loc)} {what}", ("body", *prefix, *loc))
+            raise _invalid(f"{_describe(loc)} {what}", (*prefix, *loc))
     try:
         return orjson.dumps(group.__dict__)
     except orjson.JSONEncodeError as exc:
         for key, value in group.__dict__.items():
             loc, what = _bad_value(value, (key,))
             if loc:
-                raise HTTPProblem(
-                    422, f"{_describe(loc)} {what}", ("body", *prefix, *loc)
-                ) from None
-        raise HTTPProblem(
-            422, f"group cannot be stored as JSON: {exc}", ("body", *prefix)
-        ) from None
-
-
-def _validation_problem(exc: ValidationError, prefix: tuple[Any, ...] = ()) -> HTTPProblem:
-    problem = HTTPProblem(422, "invalid request body")
-    problem.detail = [
-        {"loc": ["body", *prefix, *err["loc"]], "msg": err["msg"], "type": err["type"]}
-        for err in exc.errors(include_url=False, include_input=False)
-    ]
-    return problem
+                raise _invalid(f"{_describe(loc)} {what}", (*prefix, *loc)) from None
+        raise _invalid(f"group cannot be stored as JSON: {exc}", prefix) from None
 
 
 def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
-    """Parse, validate and serialise the (decompressed) body of ``/scored_data`` (or ``_list``).
+    """Parse, validate and serialise scored groups: one ``ScoredData`` object, or a list of
+    them when ``many`` (the decompressed body of ``/scored_data`` or ``/scored_data_list``).
 
     Parsing and type validation happen in one pass in pydantic-core; each group is then
     serialised once (orjson) into the payload that ``/batch`` will concatenate. Raises
-    :class:`HTTPProblem` (400 or 422) for anything it refuses.
+    :class:`~atroposlib.api.queue.Refused` (``bad_json`` or ``invalid``) for anything it refuses.
     """
     try:
         parsed = (_SCORED_LIST if many else _SCORED_ONE).validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
+        errors = exc.errors(include_url=False, include_input=False)
+        first = errors[0]
         if first["type"] == "json_invalid":
-            raise HTTPProblem(
-                400, f"request body is not valid JSON: {first['msg']}", kind="json_invalid"
-            ) from None
+            raise _not_json(first["msg"]) from None
         if not first["loc"] and many:
-            raise HTTPProblem(
-                422, "body must be a JSON array of scored groups", kind="list_type"
-            ) from None
+            raise _invalid("body must be a JSON array of scored groups", kind="list_type") from None
         if not first["loc"]:
-            raise HTTPProblem(
-                422, "body must be a JSON object (one scored group)", kind="dict_type"
+            raise _invalid(
+                "body must be a JSON object (one scored group)", kind="dict_type"
             ) from None
-        raise _validation_problem(exc) from None
+        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
+        raise Refused("invalid", "invalid request body", errors=details) from None
     groups: list[ScoredData] = parsed if many else [parsed]
     if not groups:
-        raise HTTPProblem(422, "body is an empty list: send at least one group")
+        raise _invalid("body is an empty list: send at least one group")
 
     prepared = []
     for i, group in enumerate(groups):
@@ -330,7 +311,7 @@ def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
         try:
             check_group(group)
         except GroupError as exc:
-            raise HTTPProblem(422, exc.msg, ("body", *prefix, *exc.loc)) from None
+            raise _invalid(exc.msg, (*prefix, *exc.loc)) from None
         prepared.append(
             PreparedGroup(
                 env_id=group.env_id,
@@ -362,7 +343,8 @@ class GroupParser:
         self._process_lock = anyio.Lock()
 
     async def __call__(self, raw: bytes, many: bool) -> list[PreparedGroup]:
-        """Prepared groups of ``raw``; raises :class:`HTTPProblem` or :class:`ParserGone`."""
+        """Prepared groups of ``raw``; raises :class:`~atroposlib.api.queue.Refused` or
+        :class:`ParserGone`."""
         if len(raw) < THREAD_BYTES:
             return prepare_groups(raw, many)
         if len(raw) < self._process_bytes:

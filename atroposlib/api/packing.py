@@ -93,6 +93,46 @@ def exact_fill(sizes: Iterable[int], target: int) -> list[int] | None:
     return chosen if remaining == 0 else None
 
 
+def merge_fill(sizes: Sequence[int], target: int) -> list[int]:
+    """Pick indices of ``sizes`` summing exactly to ``target``: which buffered partial groups
+    of an env are merged into one group of ``target`` sequences.
+
+    Upstream's rule (``atroposlib.api.utils.find_groups_summing_to_target`` is this function
+    on ``len(group["tokens"])``): a greedy FIFO scan first (take each part that still fits);
+    if it does not land exactly, a subset-sum over all parts backtracked from the newest.
+    Returns sorted indices, or ``[]`` when no subset hits the target. Unlike
+    :func:`exact_fill` (used for batches) the fallback prefers the newest parts.
+    """
+    if not sizes:
+        return []
+    picked: list[int] = []
+    running = 0
+    for idx, size in enumerate(sizes):
+        if running + size <= target:
+            picked.append(idx)
+            running += size
+            if running == target:
+                return picked
+
+    # reachable[i]: set of sums reachable with the first i parts (as a bitset).
+    mask = (1 << (target + 1)) - 1
+    reachable = [1]
+    for size in sizes:
+        prev = reachable[-1]
+        reachable.append(prev | ((prev << size) & mask) if size >= 0 else prev)
+    if not (reachable[-1] >> target) & 1:
+        return []
+
+    chosen: list[int] = []
+    remaining = target
+    for i in range(len(sizes), 0, -1):
+        size = sizes[i - 1]
+        if remaining >= size and (reachable[i - 1] >> (remaining - size)) & 1:
+            chosen.append(i - 1)
+            remaining -= size
+    return sorted(chosen)
+
+
 def pack_batch(
     items: Sequence[PackItem],
     batch_size: int,

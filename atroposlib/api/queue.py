@@ -22,6 +22,10 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
 * The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
   the HTTP layer answers 429 with ``Retry-After``.
 * Nothing is dropped silently: every refused or dropped group is counted by reason.
+
+What the queue refuses it raises as :class:`Refused` with a reason (the metric label); it knows
+no status codes and writes no response bodies: the server maps reasons to status codes in one
+table and frames batches (``{"batch": [...]}``) around the payloads :class:`Batch` carries.
 """
 
 from __future__ import annotations
@@ -39,10 +43,9 @@ from typing import Any
 import orjson
 
 from atroposlib.api.models import RegisterEnv, Registration
-from atroposlib.api.packing import PackItem, exact_fill, pack_batch
+from atroposlib.api.packing import PackItem, exact_fill, merge_fill, pack_batch
 from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
-from atroposlib.api.utils import find_groups_summing_to_target
-from atroposlib.schema import EMPTY_EXAMPLE, GROUP_KEYS, PER_SEQUENCE_KEYS
+from atroposlib.schema import GROUP_KEYS, PER_SEQUENCE_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -71,34 +74,55 @@ class PreparedGroup:
 
 
 class Batch(list):
-    """The pieces of one ``{"batch": [...]}`` body (``b"".join(batch)`` is the JSON), with the
-    step the batch was handed out for and whether it is a repeat of an unacknowledged one."""
+    """The serialised groups of one batch, in order, with the step the batch was handed out
+    for and whether it is a repeat of an unacknowledged one."""
 
-    def __init__(self, pieces: list[bytes], step: int, redelivered: bool = False) -> None:
-        super().__init__(pieces)
+    def __init__(self, payloads: list[bytes], step: int, redelivered: bool = False) -> None:
+        super().__init__(payloads)
         self.step = step
         self.redelivered = redelivered
 
 
 class Refused(Exception):
-    """A group the queue will not take. ``reason`` is the metric label, ``status`` the HTTP code."""
+    """Input the queue (or the ingest pipeline) will not take, and why.
+
+    ``reason`` is the metric label (``refused_groups_total{reason=...}``) and what the HTTP
+    layer maps to a status code; ``loc`` is the path of the offending value inside the request's
+    input (``(1, "env_id")``: the second group's ``env_id``), ``kind`` the error type reported
+    beside it (default: the reason). ``errors`` holds several ``{"loc", "msg", "type"}`` entries
+    (``loc`` relative, like ``loc``) when validation found more than one thing; ``retry_after``
+    is set when retrying after that many seconds can succeed.
+    """
 
     def __init__(
-        self, reason: str, message: str, loc: tuple[Any, ...] = (), status: int = 422
+        self,
+        reason: str,
+        message: str,
+        loc: tuple[Any, ...] = (),
+        kind: str | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.loc = loc
-        self.status = status
+        self.kind = kind or reason
+        self.errors = errors or [{"loc": list(loc), "msg": message, "type": self.kind}]
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses the parser's process boundary intact
+        args = (self.reason, self.message, self.loc, self.kind, self.errors, self.retry_after)
+        return (Refused, args)
 
 
 class QueueFull(Refused):
     """The queue is at its bound; the client should retry after ``retry_after`` seconds."""
 
+    retry_after: int
+
     def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__("queue_full", message, status=429)
-        self.retry_after = retry_after
+        super().__init__("queue_full", message, retry_after=retry_after)
 
 
 class UnknownEnv(LookupError):
@@ -296,12 +320,12 @@ class TrajectoryQueue:
             if not self.started:
                 return {"status": "wait for trainer to start"}
             if len(self.envs) >= self.limits.max_envs:
+                self.refused["too_many_envs"] += 1
                 raise Refused(
                     "too_many_envs",
                     f"{len(self.envs)} envs registered in this run, the limit (run-api "
                     "--max-envs; disconnected envs count too, as env ids are never reused): "
                     "/reset_data starts a new run",
-                    status=409,
                 )
             same_name = sum(1 for e in self.envs if e["desired_name"] == req.desired_name)
             env_id = len(self.envs)
@@ -424,10 +448,9 @@ class TrajectoryQueue:
                 "env_weight": env_weight,
             }
 
-    def latest_example(self) -> bytes:
-        """Serialised last group that entered the queue (or upstream's empty shape)."""
-        latest = self._latest
-        return latest if latest is not None else orjson.dumps(EMPTY_EXAMPLE)
+    def latest_example(self) -> bytes | None:
+        """Serialised last group that entered the queue (``None`` before any did)."""
+        return self._latest
 
     # ---------------------------------------------------------------- ingest
     def check(self, groups: list[PreparedGroup]) -> None:
@@ -466,7 +489,6 @@ class TrajectoryQueue:
                     f"group is {len(group.payload)} bytes serialised, more than the queue's "
                     f"byte limit of {self.limits.max_bytes}",
                     prefix,
-                    status=413,
                 )
             new_seqs += group.size
             new_bytes += len(group.payload)
@@ -516,7 +538,7 @@ class TrajectoryQueue:
         buffer.append(part)
         self._buffered_seqs += part.size
         self._buffered_bytes += len(part.payload)
-        picked = find_groups_summing_to_target([{"tokens": [0] * p.size} for p in buffer], target)
+        picked = merge_fill([p.size for p in buffer], target)
         if picked:
             parts = [buffer[i] for i in picked]
             for i in reversed(picked):
@@ -553,9 +575,8 @@ class TrajectoryQueue:
         }
 
     def take_batch(self, ack: int | None = None) -> Batch | dict[str, Any]:
-        """Hand out the next batch: the pieces of its serialised ``{"batch": [...]}`` body, in
-        order (``b"".join(pieces)`` is the JSON; joining is left to the caller so that it can
-        happen off the event loop), with its step.
+        """Hand out the next batch: the serialised groups of its ``{"batch": [...]}`` body, in
+        order, with its step.
 
         Returns upstream's error dict when no trainer registered, and ``{"batch": None}`` when
         the queue cannot fill a batch yet. The step advances by one per new batch handed out.
@@ -564,7 +585,7 @@ class TrajectoryQueue:
         batches are forgotten; if a batch after ``ack`` was already handed out, the oldest such
         is handed out again instead of a new one; a new batch is kept until acknowledged.
         Without ``ack`` a batch is forgotten as soon as it is handed out (at-most-once).
-        Raises :class:`Refused` (422) when ``ack`` is ahead of the last batch handed out.
+        Raises :class:`Refused` (``bad_ack``) when ``ack`` is ahead of the last batch handed out.
         """
         with self._lock:
             if not self.registered:
@@ -577,7 +598,8 @@ class TrajectoryQueue:
                 raise Refused(
                     "bad_ack",
                     f"ack={ack} is ahead of the last batch handed out (step {self.step})",
-                    loc=("query", "ack"),
+                    loc=("ack",),
+                    kind="value_error",
                 )
             if not self.started:
                 self.started = True
@@ -610,17 +632,7 @@ class TrajectoryQueue:
                 len(chosen),
                 len(self._queue),
             )
-            return Batch(self._pieces(chosen), self.step)
-
-    @staticmethod
-    def _pieces(groups: list[StoredGroup]) -> list[bytes]:
-        pieces = [b'{"batch":[']
-        for i, g in enumerate(groups):
-            if i:
-                pieces.append(b",")
-            pieces.append(g.payload)
-        pieces.append(b"]}")
-        return pieces
+            return Batch([g.payload for g in chosen], self.step)
 
     def _acknowledge(self, ack: int) -> Batch | None:
         """Forget batches up to ``ack``; the oldest unacknowledged batch after it, if any."""
@@ -638,7 +650,7 @@ class TrajectoryQueue:
             step,
             ack,
         )
-        return Batch(self._pieces(groups), step, redelivered=True)
+        return Batch([g.payload for g in groups], step, redelivered=True)
 
     def _choose(self) -> list[StoredGroup]:
         batch_size = self.batch_size

@@ -6,6 +6,11 @@ What differs is documented in ``docs/compat.md``: bad input gets a 4xx that name
 instead of a 500, batches go out FIFO, the queue is bounded (429 + ``Retry-After``) and can be
 made durable (``run-api --store PATH``).
 
+What lives where: request bodies are decompressed, capped, validated and serialised by
+:mod:`atroposlib.api.ingest` (no HTTP there); the queue (:mod:`atroposlib.api.queue`) raises
+:class:`~atroposlib.api.queue.Refused` with a reason, and :data:`REFUSAL_STATUS` here is the one
+table from reasons to status codes; ``/metrics`` is rendered by :mod:`atroposlib.api.metrics`.
+
 Performance notes: each group is validated and serialised once when it arrives (in a worker
 thread, off the event loop); ``GET /batch`` concatenates stored payloads, and compresses the
 answer in a worker thread when the client accepts gzip.
@@ -13,9 +18,8 @@ answer in a worker thread when the client accepts gzip.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Annotated, Any
 
@@ -32,25 +36,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from atroposlib.api.ingest import (
     BodyTooLarge,
-    ClientGone,
     GroupParser,
-    HTTPProblem,
     IngestBudget,
     IngestBusy,
     InvalidGzip,
     ParserGone,
+    parse_json,
     read_body,
 )
+from atroposlib.api.metrics import PROMETHEUS_CONTENT_TYPE, json_bytes, prometheus_text
 from atroposlib.api.models import EnvIdentifier, RegisterEnv, Registration, ScoredData
-from atroposlib.api.queue import (
-    QueueFull,
-    QueueLimits,
-    Refused,
-    TrajectoryQueue,
-    UnknownEnv,
-)
+from atroposlib.api.queue import QueueLimits, Refused, TrajectoryQueue, UnknownEnv
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
+from atroposlib.schema import EMPTY_EXAMPLE
 from atroposlib.utils.http_security import (
     HttpSecurityMiddleware,
     loopback_hosts,
@@ -82,6 +81,63 @@ _SELF_ENCODED_PATHS = INGEST_PATHS | {"/batch"}
 
 #: Most bytes accepted in the body of a request that does not carry scored groups.
 SMALL_BODY_BYTES = 1 << 20
+
+#: The status code of each refusal reason (:class:`~atroposlib.api.queue.Refused`); any other
+#: reason is a 422. The one place reasons become status codes.
+REFUSAL_STATUS: dict[str, int] = {
+    "bad_json": 400,  # the body is not JSON
+    "too_many_envs": 409,  # run-api --max-envs
+    "body_too_large": 413,  # run-api --max-request-bytes (1 MiB for other endpoints)
+    "group_too_large": 413,  # one group is past the queue's byte bound
+    "queue_full": 429,  # with Retry-After
+    "busy": 503,  # the ingest budget is taken (with Retry-After)
+    "parser_died": 503,  # the body parser process died (with Retry-After)
+}
+
+
+class HTTPProblem(Exception):
+    """An error an endpoint answers itself, as ``{"detail": [...]}`` (FastAPI's shape)."""
+
+    def __init__(
+        self,
+        status: int,
+        msg: str,
+        loc: tuple[Any, ...] = ("body",),
+        kind: str = "value_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(msg)
+        self.status = status
+        self.detail: list[dict[str, Any]] = [{"loc": list(loc), "msg": msg, "type": kind}]
+        self.headers = headers
+
+
+def _problem_response(problem: HTTPProblem) -> JSONResponse:
+    return JSONResponse({"detail": problem.detail}, problem.status, headers=problem.headers)
+
+
+def _refusal_response(refused: Refused, where: str = "body") -> JSONResponse:
+    """The answer to a refusal: its status from :data:`REFUSAL_STATUS`, its fields located in
+    ``where`` (``body`` or ``query``), ``Retry-After`` when retrying can help."""
+    detail = [{**error, "loc": [where, *error["loc"]]} for error in refused.errors]
+    headers = None if refused.retry_after is None else {"Retry-After": str(refused.retry_after)}
+    status = REFUSAL_STATUS.get(refused.reason, 422)
+    return JSONResponse({"detail": detail}, status, headers=headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its body arrived."""
+
+
+async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
+    """The request body's chunks as they arrive; :class:`ClientGone` if the client hangs up."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
 
 
 class RequestBodyMiddleware:
@@ -132,23 +188,34 @@ class RequestBodyMiddleware:
             return
         ingest_path = scope["method"] == "POST" and scope["path"] in INGEST_PATHS
         cap = self.max_bytes if ingest_path else min(self.max_bytes, SMALL_BODY_BYTES)
+        refused: Refused | None = None
         try:
             if declared is not None and (not declared.isdigit() or int(declared) > cap):
                 raise BodyTooLarge
-            body = await read_body(receive, cap, "gzip" in encoding, self.budget)
+            body = await read_body(_body_chunks(receive), cap, "gzip" in encoding, self.budget)
         except BodyTooLarge:
-            self.on_refused("body_too_large")
-            await _too_large_response(cap, ingest_path)(scope, receive, send)
-            return
+            why = "(run-api --max-request-bytes)" if ingest_path else "for this endpoint"
+            refused = Refused(
+                "body_too_large",
+                f"request body exceeds the limit of {cap} bytes {why}",
+                kind="too_large",
+            )
         except InvalidGzip:
             self.on_refused("bad_gzip")
             await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
             return
         except IngestBusy:
-            self.on_refused("busy")
-            await _busy_response(self.budget.limit, self.retry_after_s)(scope, receive, send)
-            return
+            refused = Refused(
+                "busy",
+                "request bodies being read and parsed already hold the server's ingest budget "
+                f"of {self.budget.limit} bytes (run-api --ingest-budget-bytes): retry later",
+                retry_after=max(1, self.retry_after_s),
+            )
         except ClientGone:
+            return
+        if refused is not None:
+            self.on_refused(refused.reason)
+            await _refusal_response(refused)(scope, receive, send)
             return
         try:
             if ingest_path and not from_browser:
@@ -177,6 +244,19 @@ class SkipPrecompressedGZip(GZipMiddleware):
         await super().__call__(scope, receive, send)
 
 
+def _framed(payloads: list[bytes]) -> list[bytes]:
+    """The pieces of a ``{"batch": [...]}`` body around the groups' stored payloads
+    (``b"".join`` of them is the JSON; joined by the caller, off the event loop when it
+    compresses)."""
+    pieces = [b'{"batch":[']
+    for i, payload in enumerate(payloads):
+        if i:
+            pieces.append(b",")
+        pieces.append(payload)
+    pieces.append(b"]}")
+    return pieces
+
+
 def _join_and_gzip(pieces: list[bytes], level: int) -> bytes:
     """One batch body, gzip-compressed (runs in a worker thread; ISA-L/zlib release the GIL)."""
     return _gzip.compress(b"".join(pieces), level)
@@ -186,149 +266,9 @@ def _accepts_gzip(request: Request) -> bool:
     return "gzip" in request.headers.get("accept-encoding", "").lower()
 
 
-def _json_bytes(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        # Python's json module (what `requests` uses) writes NaN/Infinity, which orjson refuses;
-        # parse them so the checks can name the field instead of failing the whole body.
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HTTPProblem(
-            400, f"request body is not valid JSON: {exc}", kind="json_invalid"
-        ) from None
-    except RecursionError:
-        raise HTTPProblem(
-            400, "request body is not valid JSON: nested too deeply", kind="json_invalid"
-        ) from None
-
-
-def _too_large_response(limit: int, scored_data: bool = True) -> JSONResponse:
-    why = "(run-api --max-request-bytes)" if scored_data else "for this endpoint"
-    return _problem_response(
-        HTTPProblem(413, f"request body exceeds the limit of {limit} bytes {why}", kind="too_large")
-    )
-
-
-def _busy_response(budget: int, retry_after_s: int) -> JSONResponse:
-    return _problem_response(
-        HTTPProblem(
-            503,
-            "request bodies being read and parsed already hold the server's ingest budget of "
-            f"{budget} bytes (run-api --ingest-budget-bytes): retry later",
-            kind="busy",
-            headers={"Retry-After": str(max(1, retry_after_s))},
-        )
-    )
-
-
 def _json(data: Any) -> Response:
-    """A JSON response serialised with orjson (skips FastAPI's response encoding).
-
-    Text that is not valid Unicode (a lone surrogate, left in a store written before such
-    input was refused) falls back to Python's json module, which writes it as an escape.
-    """
-    try:
-        body = orjson.dumps(data)
-    except orjson.JSONEncodeError:
-        body = json.dumps(data).encode()
-    return Response(body, media_type="application/json")
-
-
-def _problem_response(problem: HTTPProblem) -> JSONResponse:
-    return JSONResponse({"detail": problem.detail}, problem.status, headers=problem.headers)
-
-
-def _label(value: Any) -> str:
-    """A Prometheus label value: backslash, double quote and newline escaped as the text format
-    requires, and text that is not valid Unicode (a lone surrogate) written as escapes."""
-    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _prometheus(m: dict[str, Any]) -> str:
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP atropos_{name} {help_}")
-        lines.append(f"# TYPE atropos_{name} {kind}")
-        for labels, value in samples:
-            lines.append(f"atropos_{name}{labels} {value}")
-
-    metric("step", "gauge", "Trainer step (batches handed out).", [("", m["step"])])
-    metric("queue_groups", "gauge", "Groups waiting in the queue.", [("", m["queue_groups"])])
-    metric("queue_sequences", "gauge", "Sequences in the queue.", [("", m["queue_sequences"])])
-    metric("queue_bytes", "gauge", "Serialised bytes in the queue.", [("", m["queue_bytes"])])
-    metric(
-        "buffered_sequences",
-        "gauge",
-        "Sequences in partial groups waiting to be merged.",
-        [("", m["buffered_sequences"])],
-    )
-    metric("limit_bytes", "gauge", "Queue byte limit.", [("", m["limit_bytes"])])
-    metric("limit_sequences", "gauge", "Queue sequence limit.", [("", m["limit_sequences"])])
-    metric("accepted_groups_total", "counter", "Groups accepted.", [("", m["accepted_groups"])])
-    metric(
-        "accepted_sequences_total",
-        "counter",
-        "Sequences accepted.",
-        [("", m["accepted_sequences"])],
-    )
-    metric(
-        "refused_groups_total",
-        "counter",
-        "Groups (or requests) refused, by reason.",
-        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["refused"].items())],
-    )
-    metric(
-        "dropped_groups_total",
-        "counter",
-        "Accepted groups dropped later, by reason.",
-        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["dropped"].items())],
-    )
-    metric("batches_served_total", "counter", "Batches handed out.", [("", m["batches_served"])])
-    metric(
-        "sequences_served_total",
-        "counter",
-        "Sequences handed out.",
-        [("", m["sequences_served"])],
-    )
-    metric(
-        "unacknowledged_batches",
-        "gauge",
-        "Batches handed out to an acknowledging trainer (GET /batch?ack=) and not yet acknowledged.",
-        [("", m["unacknowledged_batches"])],
-    )
-    metric(
-        "redelivered_batches_total",
-        "counter",
-        "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
-        [("", m["redelivered_batches"])],
-    )
-    env_samples = [
-        (f'{{env_id="{_label(e["env_id"])}",name="{_label(e["name"])}"}}', e) for e in m["envs"]
-    ]
-    metric(
-        "env_queued_sequences",
-        "gauge",
-        "Queued sequences per env.",
-        [(lbl, e["queued_sequences"]) for lbl, e in env_samples],
-    )
-    metric(
-        "env_accepted_groups_total",
-        "counter",
-        "Accepted groups per env.",
-        [(lbl, e["accepted_groups"]) for lbl, e in env_samples],
-    )
-    metric(
-        "env_served_groups_total",
-        "counter",
-        "Groups handed out per env.",
-        [(lbl, e["served_groups"]) for lbl, e in env_samples],
-    )
-    return "\n".join(lines) + "\n"
+    """A JSON response serialised with orjson (skips FastAPI's response encoding)."""
+    return Response(json_bytes(data), media_type="application/json")
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
@@ -387,6 +327,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def _problem(_: Request, exc: HTTPProblem) -> JSONResponse:
         return _problem_response(exc)
 
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, exc: Refused) -> JSONResponse:
+        # a refusal that names a parameter of the query string (/batch's ack) is located there;
+        # anything else is about the body
+        in_query = bool(exc.loc) and exc.loc[0] in request.query_params
+        return _refusal_response(exc, "query" if in_query else "body")
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         queue.count_refused("invalid")
@@ -428,11 +375,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 "min_batch_allocation must be between 0 and 1",
                 ("body", "min_batch_allocation"),
             )
-        try:
-            return await run_in_threadpool(queue.register_env, register_env)
-        except Refused as exc:
-            queue.count_refused(exc.reason)
-            raise HTTPProblem(exc.status, exc.message, ("body",), exc.reason) from None
+        return await run_in_threadpool(queue.register_env, register_env)
 
     @app.post("/disconnect-env")
     async def disconnect_env(body: EnvIdentifier) -> Any:
@@ -463,7 +406,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                 raise HTTPProblem(
                     422, "env_id is required (JSON body or ?env_id=)", ("body", "env_id"), "missing"
                 )
-            data = _json_bytes(raw)
+            data = parse_json(raw)
             if not isinstance(data, dict) or "env_id" not in data:
                 raise HTTPProblem(422, "env_id is required", ("body", "env_id"), "missing")
             env_id = data["env_id"]
@@ -483,38 +426,25 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         """Queue the scored group(s) in ``raw`` (decompressed); every outcome is a response."""
         try:
             groups = await parser(raw, many)
+        except ParserGone:
+            refused = Refused(
+                "parser_died",
+                "the body parser process died (out of memory?) while parsing this request: "
+                "retry later, or send smaller requests",
+                retry_after=max(1, settings.retry_after_s),
+            )
+            queue.count_refused(refused.reason)
+            return _refusal_response(refused)
+        except Refused as exc:
+            queue.count_refused(exc.reason)  # the queue counts what it refuses itself
+            return _refusal_response(exc)
+        try:
             if queue.store.durable:
                 results = await run_in_threadpool(queue.add_groups, groups)
             else:
                 results = queue.add_groups(groups)
-        except ParserGone:
-            queue.count_refused("parser_died")
-            return _problem_response(
-                HTTPProblem(
-                    503,
-                    "the body parser process died (out of memory?) while parsing this request: "
-                    "retry later, or send smaller requests",
-                    kind="parser_died",
-                    headers={"Retry-After": str(max(1, settings.retry_after_s))},
-                )
-            )
-        except HTTPProblem as exc:
-            queue.count_refused("invalid" if exc.status == 422 else "bad_json")
-            return _problem_response(exc)
-        except QueueFull as exc:
-            return _problem_response(
-                HTTPProblem(
-                    429,
-                    exc.message,
-                    ("body",),
-                    "queue_full",
-                    headers={"Retry-After": str(exc.retry_after)},
-                )
-            )
         except Refused as exc:
-            return _problem_response(
-                HTTPProblem(exc.status, exc.message, ("body", *exc.loc), exc.reason)
-            )
+            return _refusal_response(exc)
         if not many:
             return _json(results[0])
         reply: dict[str, Any] = {"status": "received", "groups_processed": len(results)}
@@ -565,25 +495,25 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         upstream's behaviour). The batch's step is in the ``X-Atropos-Step`` header.
         """
         take = partial(queue.take_batch, ack)
-        try:
-            result = await run_in_threadpool(take) if queue.store.durable else take()
-        except Refused as exc:
-            return _problem_response(HTTPProblem(exc.status, exc.message, exc.loc))
+        result = await run_in_threadpool(take) if queue.store.durable else take()
         if isinstance(result, dict):
             return _json(result)
         headers = {"X-Atropos-Step": str(result.step)}
         if result.redelivered:
             headers["X-Atropos-Redelivered"] = "1"
-        if _accepts_gzip(request) and sum(map(len, result)) >= _GZIP_MINIMUM:
+        pieces = _framed(result)
+        if _accepts_gzip(request) and sum(map(len, pieces)) >= _GZIP_MINIMUM:
             level = min(settings.gzip_level, _MAX_GZIP_LEVEL)
-            body = await run_in_threadpool(_join_and_gzip, result, level)
+            body = await run_in_threadpool(_join_and_gzip, pieces, level)
             headers.update({"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
             return Response(body, media_type="application/json", headers=headers)
-        return Response(b"".join(result), media_type="application/json", headers=headers)
+        return Response(b"".join(pieces), media_type="application/json", headers=headers)
 
     @app.get("/latest_example")
     async def latest_example() -> Response:
-        return Response(queue.latest_example(), media_type="application/json")
+        latest = queue.latest_example()
+        body = latest if latest is not None else orjson.dumps(EMPTY_EXAMPLE)
+        return Response(body, media_type="application/json")
 
     @app.api_route("/reset_data", methods=["GET", "POST"])
     async def reset_data() -> PlainTextResponse:
@@ -602,7 +532,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             return _json(snapshot)
         if format != "prometheus":
             raise HTTPProblem(422, "format must be prometheus or json", ("query", "format"))
-        return PlainTextResponse(_prometheus(snapshot), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(snapshot), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

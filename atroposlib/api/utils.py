@@ -2,13 +2,16 @@
 
 Users import these three functions from ``atroposlib.api.utils``; they behave exactly as in
 upstream Atropos 0.4 (including its limits: ``grab_exact_from_heterogeneous_queue`` only packs
-group sizes that divide the largest group size present). The trajectory API server itself uses
-the general exact-fill packer in :mod:`atroposlib.api.packing`, which has none of those limits.
+group sizes that divide the largest group size present). The trajectory API server itself packs
+batches with the general exact-fill packer in :mod:`atroposlib.api.packing`, which has none of
+those limits.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from atroposlib.api.packing import merge_fill
 
 
 def find_groups_summing_to_target(buffer: list[dict], target_size: int) -> list[int]:
@@ -16,38 +19,10 @@ def find_groups_summing_to_target(buffer: list[dict], target_size: int) -> list[
 
     First a greedy FIFO scan (take each group that still fits); if that does not land exactly,
     a subset-sum over all groups, backtracked from the newest group. Returns sorted indices, or
-    ``[]`` when no subset hits the target.
+    ``[]`` when no subset hits the target. The rule is :func:`atroposlib.api.packing.merge_fill`
+    on the groups' sizes, which the API server uses to merge partial groups.
     """
-    if not buffer:
-        return []
-    sizes = [len(group["tokens"]) for group in buffer]
-
-    picked: list[int] = []
-    running = 0
-    for idx, size in enumerate(sizes):
-        if running + size <= target_size:
-            picked.append(idx)
-            running += size
-            if running == target_size:
-                return picked
-
-    # reachable[i]: set of sums reachable with the first i groups (as a bitset).
-    mask = (1 << (target_size + 1)) - 1
-    reachable = [1]
-    for size in sizes:
-        prev = reachable[-1]
-        reachable.append(prev | ((prev << size) & mask) if size >= 0 else prev)
-    if not (reachable[-1] >> target_size) & 1:
-        return []
-
-    chosen: list[int] = []
-    remaining = target_size
-    for i in range(len(sizes), 0, -1):
-        size = sizes[i - 1]
-        if remaining >= size and (reachable[i - 1] >> (remaining - size)) & 1:
-            chosen.append(i - 1)
-            remaining -= size
-    return sorted(chosen)
+    return merge_fill([len(group["tokens"]) for group in buffer], target_size)
 
 
 def _complete_packs(entries: list[tuple[int, int]], max_group_size: int) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atroposlib.api.packing import PackItem, exact_fill, pack_batch
+from atroposlib.api.packing import PackItem, exact_fill, merge_fill, pack_batch
 from atroposlib.api.utils import (
     find_groups_summing_to_target,
     grab_batch_with_minimum_allocations,
@@ -40,6 +40,34 @@ def test_exact_fill_matches_reference(sizes: list[int], target: int) -> None:
     if chosen is not None:
         assert sum(sizes[i] for i in chosen) == target
         assert chosen == sorted(set(chosen))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=sizes_st, target=st.integers(min_value=1, max_value=24))
+def test_merge_fill_hits_the_target_when_any_subset_does(sizes: list[int], target: int) -> None:
+    """The partial-group merge rule: indices summing exactly to the target, sorted, or [] only
+    when no subset of the parts does; the greedy FIFO pick when that lands exactly."""
+    chosen = merge_fill(sizes, target)
+    assert chosen == sorted(set(chosen))
+    if chosen:
+        assert sum(sizes[i] for i in chosen) == target
+    else:
+        assert exact_fill(sizes, target) is None
+    greedy, running = [], 0
+    for i, size in enumerate(sizes):
+        if running + size <= target:
+            greedy.append(i)
+            running += size
+    if running == target:
+        assert chosen == greedy
+
+
+def test_merge_fill_prefers_the_newest_parts_when_greedy_misses() -> None:
+    """Upstream's backtracking: when the FIFO scan does not land, the newest parts are taken
+    (exact_fill, the batch packer, would take the oldest)."""
+    sizes = [5, 2, 12, 2, 11]
+    assert merge_fill(sizes, 13) == [3, 4]
+    assert exact_fill(sizes, 13) == [1, 4]
 
 
 @settings(max_examples=200, deadline=None)

@@ -20,7 +20,7 @@ def prepared(size: int = 2, tag: int = 0, env_id: int | None = None, length: int
 
 def batch_tags(result: list[bytes] | dict) -> list[int]:
     assert isinstance(result, list), result
-    return [g["tokens"][0][0] for g in orjson.loads(b"".join(result))["batch"]]
+    return [orjson.loads(payload)["tokens"][0][0] for payload in result]
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -73,7 +73,7 @@ def test_limits_raise_queue_full(make_queue) -> None:
     queue.add_groups([prepared(2), prepared(2)])
     with pytest.raises(QueueFull) as err:
         queue.add_groups([prepared(2)])
-    assert err.value.retry_after == 3 and err.value.status == 429
+    assert err.value.retry_after == 3 and err.value.reason == "queue_full"
     queue.take_batch()
     queue.add_groups([prepared(2)])  # room again once a batch went out
 
@@ -99,7 +99,7 @@ def test_state_survives_reopen(make_queue) -> None:
         {"status": "buffered", "buffer_size": 0}
     ]
     assert batch_tags(again.take_batch()) == [2]
-    merged = orjson.loads(b"".join(again.take_batch()))["batch"][0]
+    merged = orjson.loads(again.take_batch()[0])
     assert [t[0] for t in merged["tokens"]] == [3, 3, 4, 4]
 
 

@@ -1,0 +1,115 @@
+"""How ``/metrics`` renders :meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`: Prometheus
+text (the default) and JSON. Metric names, types and labels are part of the wire protocol: every
+name is ``atropos_`` + the name given here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+#: The Content-Type of :func:`prometheus_text`.
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+
+def json_bytes(data: Any) -> bytes:
+    """``data`` as JSON (orjson). Text that is not valid Unicode (a lone surrogate, left in a
+    store written before such input was refused) falls back to Python's json module, which
+    writes it as an escape."""
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        return json.dumps(data).encode()
+
+
+def _label(value: Any) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped as the text format
+    requires, and text that is not valid Unicode (a lone surrogate) written as escapes."""
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(m: dict[str, Any]) -> str:
+    """``/metrics`` in the Prometheus text format (0.0.4), from :meth:`TrajectoryQueue.metrics`."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP atropos_{name} {help_}")
+        lines.append(f"# TYPE atropos_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"atropos_{name}{labels} {value}")
+
+    metric("step", "gauge", "Trainer step (batches handed out).", [("", m["step"])])
+    metric("queue_groups", "gauge", "Groups waiting in the queue.", [("", m["queue_groups"])])
+    metric("queue_sequences", "gauge", "Sequences in the queue.", [("", m["queue_sequences"])])
+    metric("queue_bytes", "gauge", "Serialised bytes in the queue.", [("", m["queue_bytes"])])
+    metric(
+        "buffered_sequences",
+        "gauge",
+        "Sequences in partial groups waiting to be merged.",
+        [("", m["buffered_sequences"])],
+    )
+    metric("limit_bytes", "gauge", "Queue byte limit.", [("", m["limit_bytes"])])
+    metric("limit_sequences", "gauge", "Queue sequence limit.", [("", m["limit_sequences"])])
+    metric("accepted_groups_total", "counter", "Groups accepted.", [("", m["accepted_groups"])])
+    metric(
+        "accepted_sequences_total",
+        "counter",
+        "Sequences accepted.",
+        [("", m["accepted_sequences"])],
+    )
+    metric(
+        "refused_groups_total",
+        "counter",
+        "Groups (or requests) refused, by reason.",
+        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["refused"].items())],
+    )
+    metric(
+        "dropped_groups_total",
+        "counter",
+        "Accepted groups dropped later, by reason.",
+        [(f'{{reason="{_label(k)}"}}', v) for k, v in sorted(m["dropped"].items())],
+    )
+    metric("batches_served_total", "counter", "Batches handed out.", [("", m["batches_served"])])
+    metric(
+        "sequences_served_total",
+        "counter",
+        "Sequences handed out.",
+        [("", m["sequences_served"])],
+    )
+    metric(
+        "unacknowledged_batches",
+        "gauge",
+        "Batches handed out to an acknowledging trainer (GET /batch?ack=) and not yet acknowledged.",
+        [("", m["unacknowledged_batches"])],
+    )
+    metric(
+        "redelivered_batches_total",
+        "counter",
+        "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
+        [("", m["redelivered_batches"])],
+    )
+    env_samples = [
+        (f'{{env_id="{_label(e["env_id"])}",name="{_label(e["name"])}"}}', e) for e in m["envs"]
+    ]
+    metric(
+        "env_queued_sequences",
+        "gauge",
+        "Queued sequences per env.",
+        [(lbl, e["queued_sequences"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_accepted_groups_total",
+        "counter",
+        "Accepted groups per env.",
+        [(lbl, e["accepted_groups"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_served_groups_total",
+        "counter",
+        "Groups handed out per env.",
+        [(lbl, e["served_groups"]) for lbl, e in env_samples],
+    )
+    return "\n".join(lines) + "\n"
