@@ -95,27 +95,6 @@ REFUSAL_STATUS: dict[str, int] = {
 }
 
 
-class HTTPProblem(Exception):
-    """An error an endpoint answers itself, as ``{"detail": [...]}`` (FastAPI's shape)."""
-
-    def __init__(
-        self,
-        status: int,
-        msg: str,
-        loc: tuple[Any, ...] = ("body",),
-        kind: str = "value_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(msg)
-        self.status = status
-        self.detail: list[dict[str, Any]] = [{"loc": list(loc), "msg": msg, "type": kind}]
-        self.headers = headers
-
-
-def _problem_response(problem: HTTPProblem) -> JSONResponse:
-    return JSONResponse({"detail": problem.detail}, problem.status, headers=problem.headers)
-
-
 def _refusal_response(refused: Refused, where: str = "body") -> JSONResponse:
     """The answer to a refusal: its status from :data:`REFUSAL_STATUS`, its fields located in
     ``where`` (``body`` or ``query``), ``Retry-After`` when retrying can help."""
@@ -123,6 +102,11 @@ def _refusal_response(refused: Refused, where: str = "body") -> JSONResponse:
     headers = None if refused.retry_after is None else {"Retry-After": str(refused.retry_after)}
     status = REFUSAL_STATUS.get(refused.reason, 422)
     return JSONResponse({"detail": detail}, status, headers=headers)
+
+
+def _bad_param(msg: str, field: str, kind: str = "value_error") -> Refused:
+    """A request parameter an endpoint refuses itself (422)."""
+    return Refused("invalid", msg, (field,), kind)
 
 
 class ClientGone(Exception):
@@ -323,14 +307,10 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         state_changing_gets=STATE_CHANGING_GETS,
     )
 
-    @app.exception_handler(HTTPProblem)
-    async def _problem(_: Request, exc: HTTPProblem) -> JSONResponse:
-        return _problem_response(exc)
-
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused) -> JSONResponse:
-        # a refusal that names a parameter of the query string (/batch's ack) is located there;
-        # anything else is about the body
+        # a refusal that names a parameter of the query string (/batch's ack, /metrics' format)
+        # is located there; anything else is about the body
         in_query = bool(exc.loc) and exc.loc[0] in request.query_params
         return _refusal_response(exc, "query" if in_query else "body")
 
@@ -358,23 +338,17 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     async def register(registration: Registration) -> dict[str, int]:
         """Trainer registration. The first call configures the run; later calls add a uuid."""
         if registration.batch_size <= 0:
-            raise HTTPProblem(
-                422, "batch_size must be a positive number of sequences", ("body", "batch_size")
-            )
+            raise _bad_param("batch_size must be a positive number of sequences", "batch_size")
         return await run_in_threadpool(queue.register_trainer, registration)
 
     @app.post("/register-env")
     async def register_env(register_env: RegisterEnv) -> dict[str, Any]:
         """Env registration; answers ``wait for trainer to start`` until the first ``/batch``."""
         if register_env.group_size <= 0:
-            raise HTTPProblem(422, "group_size must be at least 1", ("body", "group_size"))
+            raise _bad_param("group_size must be at least 1", "group_size")
         fraction = register_env.min_batch_allocation
         if fraction is not None and not 0.0 <= fraction <= 1.0:
-            raise HTTPProblem(
-                422,
-                "min_batch_allocation must be between 0 and 1",
-                ("body", "min_batch_allocation"),
-            )
+            raise _bad_param("min_batch_allocation must be between 0 and 1", "min_batch_allocation")
         return await run_in_threadpool(queue.register_env, register_env)
 
     @app.post("/disconnect-env")
@@ -403,24 +377,21 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         if env_id is None:
             raw = await request.body()
             if not raw:
-                raise HTTPProblem(
-                    422, "env_id is required (JSON body or ?env_id=)", ("body", "env_id"), "missing"
-                )
+                raise _bad_param("env_id is required (JSON body or ?env_id=)", "env_id", "missing")
             data = parse_json(raw)
             if not isinstance(data, dict) or "env_id" not in data:
-                raise HTTPProblem(422, "env_id is required", ("body", "env_id"), "missing")
+                raise _bad_param("env_id is required", "env_id", "missing")
             env_id = data["env_id"]
-            loc: tuple[Any, ...] = ("body", "env_id")
-        else:
-            loc = ("query", "env_id")
         try:
             env_id = EnvIdentifier.model_validate({"env_id": env_id}).env_id
         except ValidationError:
-            raise HTTPProblem(422, "env_id must be an integer", loc, "int_parsing") from None
+            raise _bad_param("env_id must be an integer", "env_id", "int_parsing") from None
         try:
             return queue.status_env(env_id)
-        except UnknownEnv as exc:
-            raise HTTPProblem(404, str(exc), loc, "unknown_env") from None
+        except UnknownEnv as exc:  # the env addressed does not exist: 404, not a refusal
+            where = "query" if "env_id" in request.query_params else "body"
+            detail = [{"loc": [where, "env_id"], "msg": str(exc), "type": "unknown_env"}]
+            return JSONResponse({"detail": detail}, 404)
 
     async def ingest(raw: bytes, many: bool) -> Response:
         """Queue the scored group(s) in ``raw`` (decompressed); every outcome is a response."""
@@ -531,7 +502,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         if format == "json":
             return _json(snapshot)
         if format != "prometheus":
-            raise HTTPProblem(422, "format must be prometheus or json", ("query", "format"))
+            raise _bad_param("format must be prometheus or json", "format")
         return PlainTextResponse(prometheus_text(snapshot), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/health")
