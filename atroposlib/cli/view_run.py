@@ -63,11 +63,11 @@ def main(
         parser.exit(1, f"{prog}: gradio is not installed: pip install 'atroposlib[examples]'\n")
     if options.file:
         if not Path(options.file).is_file():
-            parser.error(f"--file: no such file (got {options.file!r})")
+            parser.error(f"--file {options.file!r}: no such file")
         viewer = RunViewer(options.tokenizer)
         groups = read_groups_file(options.file)
         if not groups:
-            parser.error(f"--file: no scored groups in it (got {options.file!r})")
+            parser.error(f"--file {options.file!r}: no scored groups in it")
         viewer.add_batch(groups)
     else:
         client = TrainerClient(options.api_url)

@@ -17,7 +17,7 @@ Every command (``run-api``, ``atropos-serve``, ``atropos-sft-gen``/``atropos-dpo
   ``None`` is null for fields that accept null.
 * **help**: ``<description> (default: <value>)``, plus ``; env <VAR>`` where an environment
   variable sets the field too. Only the canonical spelling is shown.
-* **errors**: a bad value is reported as ``--flag: <what is wrong> (got 'value')`` (or as
+* **errors**: a bad value is reported as ``--flag 'value': <what is wrong>`` (or as
   ``key in file.yaml: ...`` when it came from a config file) and the command exits with code 2.
 
 Values are validated by the model itself (one source of truth); argparse only collects strings.
@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ValidationError
-from pydantic_core import PydanticUndefined
 
 __all__ = [
     "BOOL_WORDS",
@@ -49,6 +48,7 @@ __all__ = [
     "ModelHelpFormatter",
     "extract_namespace",
     "merge_dicts",
+    "parse_model",
 ]
 
 #: Words a boolean flag accepts as its value (pydantic's own boolean spellings).
@@ -212,10 +212,10 @@ class _BoolAction(argparse.Action):
     ) -> None:
         negative = option_string in self.spec.negatives
         if negative and values is not None:
-            parser.error(f"{option_string} takes no value (got {values!r})")
+            parser.error(f"{option_string} {values!r}: takes no value")
         word = "false" if negative else ("true" if values is None else str(values))
         if word.lower() not in BOOL_WORDS:
-            parser.error(f"{self.spec.flag}: expected true or false (got {word!r})")
+            parser.error(f"{self.spec.flag} {word!r}: expected true or false")
         setattr(namespace, self.dest, word)
 
 
@@ -454,9 +454,7 @@ class ModelFlags:
         try:
             return self.model.model_validate(dict(data))
         except ValidationError as exc:
-            raise FlagError(
-                self.describe(exc, given or {}, config or {}, config_path)
-            ) from None
+            raise FlagError(self.describe(exc, given or {}, config or {}, config_path)) from None
 
     def describe(
         self,
@@ -464,10 +462,14 @@ class ModelFlags:
         given: Mapping[str, Any],
         config: Mapping[str, Any] | None = None,
         config_path: str | None = None,
+        config_key: Callable[[str], str] | None = None,
     ) -> str:
-        """One line per error: ``--flag: msg (got 'x')``, ``key in FILE: msg`` or
-        ``--flag (default): msg``."""
+        """One line per error: ``--flag 'x': msg``, ``key in FILE: msg``, ``--flag: msg`` (a
+        required flag missing) or ``--flag (default): msg``. ``config_key(name)`` names a field in ``config`` (default:
+        ``prefix + name``, the YAML path)."""
         config = config or {}
+        if config_key is None:
+            config_key = lambda name: f"{self.prefix}{name}"  # noqa: E731
         lines = []
         for err in exc.errors():
             loc = err.get("loc") or ()
@@ -480,12 +482,14 @@ class ModelFlags:
             flag = spec.flag if spec and not spec.positional else (
                 name.upper() if spec else f"{self.prefix}{name}"
             )  # fmt: skip
-            if name in given:
+            if err.get("type") == "missing" and name not in given:
+                lines.append(f"{flag}: {msg}")
+            elif name in given:
                 raw = given[name]
                 shown = " ".join(raw) if isinstance(raw, list) else raw
-                lines.append(f"{flag}: {msg} (got {shown!r})")
+                lines.append(f"{flag} {shown!r}: {msg}")
             elif name in config:
-                lines.append(f"{self.prefix}{name} in {config_path}: {msg}")
+                lines.append(f"{config_key(name)} in {config_path}: {msg}")
             else:
                 lines.append(f"{flag} (default): {msg}")
         return "; ".join(lines)
