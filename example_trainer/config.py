@@ -1,22 +1,25 @@
 """``TrainingConfig``: every option of the GRPO trainer, with its command line and YAML loader.
 
 One pydantic model is the single source of truth: ``atropos-grpo --help``, ``--config FILE.yaml``
-and the field descriptions all come from it. Flags are the kebab-case field names
+and the field descriptions all come from it, through :class:`atroposlib.utils.cli.ModelFlags`
+(the flag style of every atroposlib command). Flags are the kebab-case field names
 (``--training-steps 20``); the snake_case spelling (``--training_steps``) is accepted too, and
-``--model`` is an alias of ``--model-name`` (upstream's spellings). Precedence, lowest first:
-field defaults, the YAML file, command-line flags.
+``--model`` is an alias of ``--model-name`` (upstream's spellings); booleans take
+``--progress``, ``--no-progress`` or ``--progress false``. Precedence, lowest first: field
+defaults, the YAML file, command-line flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from atroposlib.utils.cli import FlagError, ModelArgumentParser, ModelFlags
 
 
 def _default_device() -> str:
@@ -277,21 +280,11 @@ class TrainingConfig(BaseModel):
 # ------------------------------------------------------------------------------ command line
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _is_bool(annotation: Any) -> bool:
-    return annotation is bool
-
-
-def _is_list(annotation: Any) -> bool:
-    return getattr(annotation, "__origin__", None) is list
-
-
-def build_parser(model: type[BaseModel] = TrainingConfig, prog: str = "atropos-grpo"):
+def build_parser(
+    model: type[BaseModel] = TrainingConfig, prog: str = "atropos-grpo"
+) -> ModelArgumentParser:
     """An argparse parser with one flag per field of ``model`` (help = field description)."""
-    parser = argparse.ArgumentParser(
+    parser = ModelArgumentParser(
         prog=prog,
         description="Example GRPO trainer for Atropos: pulls batches from run-api, trains, "
         "saves checkpoints and syncs the inference server's weights.",
@@ -299,52 +292,21 @@ def build_parser(model: type[BaseModel] = TrainingConfig, prog: str = "atropos-g
     parser.add_argument(
         "--config", metavar="FILE.yaml", help="YAML file of field values; flags override it."
     )
-    for name, field in model.model_fields.items():
-        is_bool = _is_bool(field.annotation)
-        flags = [_flag(name)]
-        if "_" in name and not is_bool:
-            flags.append("--" + name)
-        alias = field.validation_alias
-        if isinstance(alias, AliasChoices):
-            for choice in alias.choices:
-                if isinstance(choice, str) and choice != name:
-                    flags += [_flag(choice)] + (["--" + choice] if "_" in choice else [])
-        default = (
-            "required" if field.is_required() else field.get_default(call_default_factory=True)
-        )
-        help_text = f"{field.description} (default: {default})".replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if is_bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif get_origin(field.annotation) is Literal:
-            kwargs["choices"] = list(get_args(field.annotation))
-        elif _is_list(field.annotation):
-            kwargs["nargs"] = "*"
-        else:
-            kwargs["metavar"] = name.upper()
-        parser.add_argument(*flags, **kwargs)
+    ModelFlags(model).add_to(parser)
     return parser
-
-
-def _describe_error(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        loc = error.get("loc") or ()
-        field = str(loc[0]) if loc else "config"
-        where = _flag(field) if field in TrainingConfig.model_fields else field
-        lines.append(f"{where}: {error['msg']}")
-    return "; ".join(lines)
 
 
 def load_config(argv: Sequence[str] | None = None, prog: str = "atropos-grpo") -> TrainingConfig:
     """Build a ``TrainingConfig`` from ``--config FILE.yaml`` and flags (flags win).
 
-    Invalid values exit with status 2 and a message naming the flag.
+    YAML keys are field names or their aliases, in either spelling (``training_steps``,
+    ``training-steps``). Invalid values exit with status 2 and a message naming the flag.
     """
+    flags = ModelFlags(TrainingConfig)
     parser = build_parser(prog=prog)
-    args = vars(parser.parse_args(argv))
+    args = parser.parse_args(argv)
     values: dict[str, Any] = {}
-    config_file = args.pop("config", None)
+    config_file = args.config
     if config_file:
         try:
             loaded = yaml.safe_load(Path(config_file).read_text()) or {}
@@ -352,36 +314,13 @@ def load_config(argv: Sequence[str] | None = None, prog: str = "atropos-grpo") -
             parser.error(f"--config {config_file}: {exc}")
         if not isinstance(loaded, dict):
             parser.error(f"--config {config_file}: expected a mapping of field names to values")
-        unknown = [key for key in loaded if not _known(key)]
+        unknown = [str(key) for key in loaded if flags.canonical_key(str(key)) is None]
         if unknown:
             parser.error(f"--config {config_file}: unknown field(s) {', '.join(unknown)}")
-        values.update(loaded)
-    for key in list(values):
-        canonical = _canonical(key)
-        if canonical != key:
-            values[canonical] = values.pop(key)
-    values.update(args)
+        values = {flags.canonical_key(str(key)): value for key, value in loaded.items()}
     try:
-        return TrainingConfig.model_validate(values)
-    except ValidationError as exc:
-        parser.error(_describe_error(exc))
-        raise  # unreachable: parser.error exits
-
-
-def _aliases() -> dict[str, str]:
-    table = {}
-    for name, field in TrainingConfig.model_fields.items():
-        table[name] = name
-        if isinstance(field.validation_alias, AliasChoices):
-            for choice in field.validation_alias.choices:
-                if isinstance(choice, str):
-                    table[choice] = name
-    return table
-
-
-def _known(key: str) -> bool:
-    return key.replace("-", "_") in _aliases()
-
-
-def _canonical(key: str) -> str:
-    return _aliases().get(key.replace("-", "_"), key)
+        config = flags.build(args, config=values, config_path=config_file)
+    except FlagError as exc:
+        parser.error(exc.message)
+    assert isinstance(config, TrainingConfig)
+    return config

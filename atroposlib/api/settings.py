@@ -11,6 +11,8 @@ from pydantic import BaseModel, Field, field_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+#: Prefix of the environment variables that set :class:`ApiSettings` fields.
+ENV_PREFIX = "ATROPOS_"
 
 
 def parse_size(value: Any) -> int:
@@ -134,7 +136,7 @@ class ApiSettings(BaseModel):
         environ = dict(os.environ if environ is None else environ)
         values: dict[str, Any] = {}
         for name in cls.model_fields:
-            key = f"ATROPOS_{name.upper()}"
+            key = f"{ENV_PREFIX}{name.upper()}"
             if environ.get(key, "") != "":
                 values[name] = environ[key]
         values.update({k: v for k, v in overrides.items() if v is not None})

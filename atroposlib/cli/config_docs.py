@@ -1,8 +1,9 @@
 """Keep CONFIG.md in step with the config models it documents.
 
 Each documented model has a table in CONFIG.md between ``<!-- BEGIN name -->`` and
-``<!-- END name -->`` markers, rendered from the model's fields (name, type, default,
-description), so CONFIG.md and ``--help`` come from the same source.
+``<!-- END name -->`` markers, rendered from the same :class:`~atroposlib.utils.cli.ModelFlags`
+that builds the command's flags (flag, type, default, description), so CONFIG.md and ``--help``
+come from the same source.
 
 ``python -m atroposlib.cli.config_docs --write`` rewrites the tables; ``--check`` exits 1 when
 CONFIG.md is out of date (the tests run it).
@@ -17,12 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+from atroposlib.utils.cli import FlagSpec, ModelFlags
 
 
 def _sections() -> dict[str, Callable[[], str]]:
-    from atroposlib.api.settings import ApiSettings
     from atroposlib.envs.config import BaseEnvConfig
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.server_manager import ServerManagerConfig
@@ -35,13 +34,16 @@ def _sections() -> dict[str, Callable[[], str]]:
 
         return render
 
+    def api_settings() -> str:
+        from atroposlib.cli.run_api import FLAGS
+
+        return render_table(FLAGS, env=True)
+
     return {
-        "api-settings": lambda: render_table(
-            ApiSettings, flag=lambda n: "--" + n.replace("_", "-"), env=True
-        ),
-        "env-config": lambda: render_table(BaseEnvConfig, flag=lambda n: "--env." + n),
-        "openai-config": lambda: render_table(APIServerConfig, flag=lambda n: "--openai." + n),
-        "server-manager-config": lambda: render_table(ServerManagerConfig, flag=lambda n: "--" + n),
+        "api-settings": api_settings,
+        "env-config": lambda: render_table(ModelFlags(BaseEnvConfig, prefix="env.")),
+        "openai-config": lambda: render_table(ModelFlags(APIServerConfig, prefix="openai.")),
+        "server-manager-config": lambda: render_table(ModelFlags(ServerManagerConfig)),
         "atropos-serve": parser_of("atroposlib.inference.cli"),
         "atropos-sft-gen": parser_of("atroposlib.cli.sft"),
         "atropos-dpo-gen": parser_of("atroposlib.cli.dpo"),
@@ -51,11 +53,33 @@ def _sections() -> dict[str, Callable[[], str]]:
     }
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _names(spec: FlagSpec) -> str:
+    if spec.positional:
+        return f"`{spec.name.upper()}`"
+    names = ", ".join(f"`{n}`" for n in spec.invocation.split(", "))
+    if spec.choices:
+        names += " (" + " \\| ".join(str(c) for c in spec.choices) + ")"
+    return names
+
+
 def render_parser(parser: argparse.ArgumentParser) -> str:
-    """A markdown table of an argparse parser's options (positionals first)."""
+    """A markdown table of an argparse parser's options (positionals first).
+
+    Options made by :class:`~atroposlib.utils.cli.ModelFlags` show their canonical spelling,
+    default and description, as ``--help`` does.
+    """
     rows = ["| flag | default | description |", "|---|---|---|"]
     for action in parser._actions:  # argparse has no public accessor for its actions
         if isinstance(action, argparse._HelpAction):
+            continue
+        spec: FlagSpec | None = getattr(action, "spec", None)
+        if spec is not None:
+            default = "required" if spec.positional else f"`{spec.default}`"
+            rows.append(f"| {_names(spec)} | {default} | {_cell(spec.description)} |")
             continue
         names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}`"
         if action.choices:
@@ -69,8 +93,7 @@ def render_parser(parser: argparse.ArgumentParser) -> str:
         else:
             default = f"`{action.default}`"
         help_text = (action.help or "").replace("%(default)s", str(action.default))
-        help_text = help_text.replace("%%", "%").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| {names} | {default} | {help_text} |")
+        rows.append(f"| {names} | {default} | {_cell(help_text.replace('%%', '%'))} |")
     return "\n".join(rows)
 
 
@@ -80,14 +103,9 @@ def _type_name(annotation: Any) -> str:
     return text.replace("|", "\\|")  # a bare | would end the markdown table cell
 
 
-def _default(field: Any) -> str:
-    if field.default is PydanticUndefined:
-        return "required"
-    return repr(field.default) if isinstance(field.default, str) else str(field.default)
-
-
-def render_table(model: type[BaseModel], flag: Callable[[str], str], env: bool = False) -> str:
-    """A markdown table of ``model``'s fields."""
+def render_table(flags: ModelFlags, env: bool = False) -> str:
+    """A markdown table of a model's flags: flag, (environment variable,) type, default,
+    description."""
     header = (
         "| flag | env var | type | default | description |"
         if env
@@ -95,14 +113,22 @@ def render_table(model: type[BaseModel], flag: Callable[[str], str], env: bool =
     )
     rule = "|---|---|---|---|---|" if env else "|---|---|---|---|"
     rows = [header, rule]
-    for name, field in model.model_fields.items():
-        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        cells = [f"`{flag(name)}`"]
+    for name, spec in flags.specs.items():
+        cells = [", ".join(f"`{n}`" for n in spec.invocation.split(", "))]
         if env:
-            cells.append(f"`ATROPOS_{name.upper()}`")
-        cells += [f"`{_type_name(field.annotation)}`", f"`{_default(field)}`", desc]
+            cells.append(f"`{spec.env_var}`")
+        annotation = flags.model.model_fields[name].annotation
+        default = repr(spec.default) if isinstance(_raw_default(flags, name), str) else spec.default
+        cells += [f"`{_type_name(annotation)}`", f"`{default}`", _cell(spec.description)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _raw_default(flags: ModelFlags, name: str) -> Any:
+    if name in flags.defaults:
+        return flags.defaults[name]
+    field = flags.model.model_fields[name]
+    return None if field.is_required() else field.default
 
 
 def update(text: str) -> str:

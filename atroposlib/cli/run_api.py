@@ -6,72 +6,71 @@ Flags come from :class:`~atroposlib.api.settings.ApiSettings` (each also settabl
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from atroposlib.api.settings import ApiSettings, parse_size
+from atroposlib.api.settings import ENV_PREFIX, ApiSettings
+from atroposlib.utils.cli import ModelArgumentParser, ModelFlags
 
-_SIZE_FIELDS = {"max_queue_bytes", "max_request_bytes", "ingest_budget_bytes"}
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+FLAGS = ModelFlags(ApiSettings, env_prefix=ENV_PREFIX)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``run-api`` argument parser, one flag per :class:`ApiSettings` field."""
-    parser = argparse.ArgumentParser(
+class DevOptions(BaseModel):
+    """``run-api``'s options that are not server settings."""
+
+    reload: bool = Field(False, description="Reload on code changes (development only).")
+
+
+DEV_FLAGS = ModelFlags(DevOptions)
+
+
+def build_parser() -> ModelArgumentParser:
+    """The ``run-api`` argument parser: one flag per :class:`ApiSettings` field."""
+    parser = ModelArgumentParser(
         prog="run-api",
         allow_abbrev=False,
         description="Serve the Atropos trajectory API (environments POST scored groups, "
         "trainers GET batches).",
     )
-    for name, field in ApiSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"ATROPOS_{name.upper()}"
-        kwargs: dict[str, Any] = {
-            "dest": name,
-            "default": None,
-            "help": f"{field.description} [env {env}; default: {field.default}]",
-        }
-        choices = get_args(field.annotation)
-        if name in _SIZE_FIELDS:
-            kwargs["type"] = _size_arg
-            kwargs["metavar"] = "SIZE"
-        elif field.annotation is int:
-            kwargs["type"] = int
-        elif field.annotation is bool:
-            kwargs["action"] = "store_const"
-            kwargs["const"] = True
-        elif choices and all(isinstance(c, str) for c in choices):
-            kwargs["choices"] = list(choices) + [c.lower() for c in choices if c != c.lower()]
-        parser.add_argument(flag, **kwargs)
-    parser.add_argument(
-        "--reload", action="store_true", help="Reload on code changes (development only)."
-    )
+    FLAGS.add_to(parser)
+    DEV_FLAGS.add_to(parser)
     return parser
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: dict[str, str] | None = None
+) -> tuple[ApiSettings, DevOptions]:
+    """The settings ``run-api`` serves with: ``ATROPOS_*`` variables, then flags. A bad value
+    exits with code 2, naming the flag or the variable."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        settings = ApiSettings.from_env(environ, **FLAGS.values(args))
+    except ValidationError as exc:
+        from_env = {n: environ[f"{ENV_PREFIX}{n.upper()}"] for n in ApiSettings.model_fields
+                    if environ.get(f"{ENV_PREFIX}{n.upper()}", "") != ""}  # fmt: skip
+        parser.error(
+            FLAGS.describe(
+                exc,
+                FLAGS.given(args),
+                from_env,
+                config_path="the environment",
+                config_key=lambda name: f"{ENV_PREFIX}{name.upper()}",
+            )
+        )
+    dev = DEV_FLAGS.build(args)
+    assert isinstance(dev, DevOptions)
+    return settings, dev
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``run-api``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    overrides = {name: getattr(args, name) for name in ApiSettings.model_fields}
-    try:
-        settings = ApiSettings.from_env(**overrides)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        parser.error(f"--{name.replace('_', '-')} (or ATROPOS_{name.upper()}): {err['msg']}")
+    settings, dev = parse_settings(argv)
 
     import uvicorn
 
@@ -91,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("Binding %s: the API has no authentication.", settings.host)
 
-    if args.reload:
+    if dev.reload:
         for name, value in settings.model_dump().items():
             if value is not None:
                 os.environ[f"ATROPOS_{name.upper()}"] = str(value)

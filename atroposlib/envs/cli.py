@@ -1,15 +1,20 @@
 """The environment command line: ``python env.py serve|process|evaluate``.
 
-Every setting is a flag generated from the config models, with its description and default in
-``--help``:
+Every setting is a flag generated from the config models by
+:class:`atroposlib.utils.cli.ModelFlags` (the flag style of every atroposlib command), with its
+description and default in ``--help``:
 
 * ``--env.<field>``: the env's config class (``BaseEnvConfig`` or the subclass ``config_init``
   returns);
 * ``--openai.<field>``: ``APIServerConfig`` (one inference server; several go in YAML as a
   list under ``openai:``);
-* ``--slurm``, ``--testing``, ``--max_n_completions``, ``--proxy_url``: ``ServerManagerConfig``;
+* ``--slurm``, ``--testing``, ``--max-n-completions``, ``--proxy-url``: ``ServerManagerConfig``
+  (``--max_n_completions``, ``--proxy_url`` work too);
 * ``--config file.yaml``: ``env: {...}``, ``openai: {...} | [{...}, ...]`` and the server
   manager keys at the top level.
+
+Namespaced flags spell the field as YAML does (``--env.group_size``; ``--env.group-size`` is
+accepted). Booleans take ``--env.use_wandb``, ``--no-env.use_wandb`` or ``--env.use_wandb false``.
 
 Precedence: command line > YAML > ``config_init()`` (> the mode's base overrides for
 ``process`` / ``evaluate``). Unknown flags and unknown YAML keys are errors naming them (with
@@ -24,18 +29,15 @@ import asyncio
 import dataclasses
 import difflib
 import inspect
-import json
 import logging
 import sys
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from atroposlib.envs.constants import ENV_NAMESPACE, NAMESPACE_SEP, OPENAI_NAMESPACE
 from atroposlib.envs.options import ENV_INIT_EXTRAS, SERVER_MANAGER_OPTIONS
@@ -45,11 +47,18 @@ from atroposlib.envs.server_handling.openai_server import (
 )
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig, ServerBaseline
 from atroposlib.envs.server_handling.server_manager import ServerManagerConfig
-from atroposlib.utils.cli import merge_dicts
+from atroposlib.utils.cli import FlagError, ModelArgumentParser, ModelFlags, merge_dicts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CliError", "ResolvedConfig", "build_parser", "resolve_config", "run_cli"]
+__all__ = [
+    "CliError",
+    "ResolvedConfig",
+    "build_parser",
+    "model_flags",
+    "resolve_config",
+    "run_cli",
+]
 
 COMMANDS = {
     "serve": "Run the env against a trajectory API (run-api) and a trainer.",
@@ -59,6 +68,8 @@ COMMANDS = {
 ENV_PREFIX = f"{ENV_NAMESPACE}{NAMESPACE_SEP}"
 OPENAI_PREFIX = f"{OPENAI_NAMESPACE}{NAMESPACE_SEP}"
 MANAGER_KEYS = tuple(ServerManagerConfig.model_fields)
+#: Key of the un-prefixed ``ServerManagerConfig`` flags in :func:`model_flags`.
+MANAGER = "manager"
 
 
 class CliError(Exception):
@@ -95,42 +106,6 @@ def _teacher_namespace(env_cls: type) -> str | None:
     return None
 
 
-def _is_bool(annotation: Any) -> bool:
-    if annotation is bool:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args == [bool]
-    return False
-
-
-def _fmt_default(value: Any) -> str:
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json")
-    if hasattr(value, "value") and not isinstance(value, (str, int, float)):
-        value = value.value
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-
-
-def _add_model_flags(
-    group: argparse._ArgumentGroup,
-    model_cls: type[BaseModel],
-    prefix: str,
-    defaults: Mapping[str, Any],
-) -> None:
-    for name, field in model_cls.model_fields.items():
-        default = defaults.get(name, field.default)
-        desc = field.description or ""
-        help_text = f"{desc} (default: {_fmt_default(default)})".strip().replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": f"{prefix}{name}", "default": argparse.SUPPRESS}
-        if _is_bool(field.annotation):
-            kwargs.update(nargs="?", const="true", metavar="BOOL")
-        else:
-            kwargs["metavar"] = name.upper()
-        group.add_argument(f"--{prefix}{name}", help=help_text, **kwargs)
-
-
 def _default_openai(default_servers: Any) -> tuple[type[BaseModel], dict[str, Any]]:
     """The model class and defaults shown for ``--openai.*``."""
     if isinstance(default_servers, list) and default_servers:
@@ -160,17 +135,47 @@ def _mode_env_defaults(env_cls: type, command: str, base: dict[str, Any]) -> dic
     return out
 
 
+def model_flags(
+    env_cls: type, command: str, defaults: tuple[Any, Any] | None = None
+) -> dict[str, ModelFlags]:
+    """The flag namespaces of ``command``: ``env`` (``--env.*``), ``openai`` (``--openai.*``),
+    ``teacher`` (``--teacher.*``, for envs with a teacher server) and ``manager`` (un-prefixed
+    ``ServerManagerConfig`` flags), with the defaults ``--help`` shows."""
+    default_env, default_servers = defaults or env_cls.config_init()
+    openai_cls, openai_defaults = _default_openai(default_servers)
+    flags = {
+        ENV_NAMESPACE: ModelFlags(
+            type(default_env),
+            prefix=ENV_PREFIX,
+            defaults=_mode_env_defaults(env_cls, command, default_env.model_dump()),
+        ),
+        OPENAI_NAMESPACE: ModelFlags(openai_cls, prefix=OPENAI_PREFIX, defaults=openai_defaults),
+    }
+    teacher = _teacher_namespace(env_cls)
+    if teacher is not None:
+        teacher_cls, teacher_defaults = _default_openai(env_cls.teacher_config_init())
+        flags[teacher] = ModelFlags(
+            teacher_cls, prefix=f"{teacher}{NAMESPACE_SEP}", defaults=teacher_defaults
+        )
+    flags[MANAGER] = ModelFlags(ServerManagerConfig)
+    return flags
+
+
 def build_parser(env_cls: type, defaults: tuple[Any, Any] | None = None) -> argparse.ArgumentParser:
     """The argparse parser of ``env_cls.cli()`` (subcommands ``serve``, ``process``,
     ``evaluate``); every flag's help shows its description and default."""
-    default_env, default_servers = defaults or env_cls.config_init()
-    parser = argparse.ArgumentParser(
+    defaults = defaults or env_cls.config_init()
+    parser = ModelArgumentParser(
         prog=Path(sys.argv[0]).name if sys.argv and sys.argv[0] else env_cls.__name__,
         description=f"CLI for {env_cls.__name__}. Precedence: flags > --config YAML > "
         "config_init() defaults.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{serve,process,evaluate}")
-    openai_cls, openai_defaults = _default_openai(default_servers)
+    titles = {
+        ENV_NAMESPACE: "environment (--env.*)",
+        OPENAI_NAMESPACE: "inference server (--openai.*)",
+        MANAGER: "server manager",
+    }
     for command, help_text in COMMANDS.items():
         cmd = sub.add_parser(
             command,
@@ -186,48 +191,13 @@ def build_parser(env_cls: type, defaults: tuple[Any, Any] | None = None) -> argp
             help="Path to .yaml config file (env:, openai:, slurm:, testing:). CLI args "
             "override this.",
         )
-        env_defaults = _mode_env_defaults(env_cls, command, default_env.model_dump())
-        _add_model_flags(
-            cmd.add_argument_group("environment (--env.*)"),
-            type(default_env),
-            ENV_PREFIX,
-            env_defaults,
-        )
-        _add_model_flags(
-            cmd.add_argument_group("inference server (--openai.*)"),
-            openai_cls,
-            OPENAI_PREFIX,
-            openai_defaults,
-        )
-        teacher = _teacher_namespace(env_cls)
-        if teacher is not None:
-            teacher_cls, teacher_defaults = _default_openai(env_cls.teacher_config_init())
-            _add_model_flags(
-                cmd.add_argument_group(f"teacher server (--{teacher}.*)"),
-                teacher_cls,
-                f"{teacher}{NAMESPACE_SEP}",
-                teacher_defaults,
-            )
-        _add_model_flags(cmd.add_argument_group("server manager"), ServerManagerConfig, "", {})
+        for namespace, flags in model_flags(env_cls, command, defaults).items():
+            title = titles.get(namespace, f"teacher server (--{namespace}.*)")
+            flags.add_to(cmd.add_argument_group(title))
     return parser
 
 
 # ---------------------------------------------------------------------------- values
-
-
-def _coerce(value: Any) -> Any:
-    """A flag's string as pydantic should see it: ``None`` -> None, JSON lists/dicts parsed."""
-    if not isinstance(value, str):
-        return value
-    if value == "None":
-        return None
-    stripped = value.strip()
-    if stripped[:1] in "[{":
-        try:
-            return json.loads(stripped)
-        except json.JSONDecodeError:
-            return value
-    return value
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:
@@ -288,26 +258,6 @@ def _check_yaml_keys(
                 )
 
 
-def _validation_message(
-    exc: ValidationError,
-    prefix: str,
-    cli: Mapping[str, Any],
-    yaml_section: Mapping[str, Any],
-    yaml_path: str | None,
-) -> str:
-    lines = []
-    for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else "?"
-        if f"{prefix}{field}" in cli:
-            source = f"--{prefix}{field} {cli[f'{prefix}{field}']!r}"
-        elif field in yaml_section:
-            source = f"{prefix}{field} in {yaml_path}"
-        else:
-            source = f"{prefix}{field} (default)"
-        lines.append(f"{source}: {err['msg']}")
-    return "; ".join(lines)
-
-
 # ---------------------------------------------------------------------------- resolution
 
 
@@ -332,7 +282,7 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
         if flag.startswith("-"):
             raise CliError(f"unknown flag {flag}{_suggest(flag, known)}")
         raise CliError(f"unexpected argument {bad!r}")
-    flags = {k: _coerce(v) for k, v in vars(args).items() if k not in ("command", "config")}
+    flags = model_flags(env_cls, args.command, (default_env, default_servers))
     yaml_path = getattr(args, "config", None)
     yaml_config = _load_yaml(yaml_path) if yaml_path else {}
     openai_cls, openai_defaults = _default_openai(default_servers)
@@ -341,43 +291,42 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
         yaml_config, yaml_path or "", type(default_env), openai_cls, (teacher,) if teacher else ()
     )
 
+    def validated(namespace: str, data: dict[str, Any], section: Mapping[str, Any]) -> Any:
+        ns_flags = flags[namespace]
+        try:
+            return ns_flags.validate(
+                data, given=ns_flags.given(args), config=section, config_path=yaml_path
+            )
+        except FlagError as exc:
+            raise CliError(exc.message) from None
+
     # env: config_init (+ mode overrides) < YAML < CLI
-    cli_env = {k[len(ENV_PREFIX) :]: v for k, v in flags.items() if k.startswith(ENV_PREFIX)}
     yaml_env = yaml_config.get(ENV_NAMESPACE) or {}
     env_dict = merge_dicts(
-        _mode_env_defaults(env_cls, args.command, default_env.model_dump()), yaml_env, cli_env
+        _mode_env_defaults(env_cls, args.command, default_env.model_dump()),
+        yaml_env,
+        flags[ENV_NAMESPACE].values(args),
     )
-    try:
-        env_config = type(default_env).model_validate(env_dict)
-    except ValidationError as exc:
-        raise CliError(_validation_message(exc, ENV_PREFIX, flags, yaml_env, yaml_path)) from None
+    env_config = validated(ENV_NAMESPACE, env_dict, yaml_env)
 
     # openai: config_init < YAML < CLI, then upstream's single/multi-server resolution
-    cli_openai = {k: v for k, v in flags.items() if k.startswith(OPENAI_PREFIX)}
+    openai_values = flags[OPENAI_NAMESPACE].values(args)
+    cli_openai = {f"{OPENAI_PREFIX}{k}": v for k, v in openai_values.items()}
     yaml_openai = yaml_config.get(OPENAI_NAMESPACE) or {}
     single_yaml = (
         yaml_openai[0] if isinstance(yaml_openai, list) and len(yaml_openai) == 1 else yaml_openai
     )
-    openai_dict = merge_dicts(
-        openai_defaults,
-        single_yaml if isinstance(single_yaml, dict) else {},
-        {k[len(OPENAI_PREFIX) :]: v for k, v in cli_openai.items()},
-    )
     yaml_single = single_yaml if isinstance(single_yaml, dict) else {}
+    openai_dict = merge_dicts(openai_defaults, yaml_single, openai_values)
     if cli_openai or yaml_single:
-        try:
-            openai_cls.model_validate(openai_dict)
-        except ValidationError as exc:
-            raise CliError(
-                _validation_message(exc, OPENAI_PREFIX, flags, yaml_single, yaml_path)
-            ) from None
+        validated(OPENAI_NAMESPACE, openai_dict, yaml_single)
     if isinstance(yaml_openai, list) and len(yaml_openai) > 1:
         for i, section in enumerate(yaml_openai):
+            server_flags = ModelFlags(APIServerConfig, prefix=f"{OPENAI_NAMESPACE}[{i}].")
             try:
-                APIServerConfig.model_validate(section)
-            except ValidationError as exc:
-                msg = _validation_message(exc, f"{OPENAI_NAMESPACE}[{i}].", {}, section, yaml_path)
-                raise CliError(msg) from None
+                server_flags.validate(section, config=section, config_path=yaml_path)
+            except FlagError as exc:
+                raise CliError(exc.message) from None
     try:
         server_configs = resolve_openai_configs(
             default_server_configs=default_servers,
@@ -390,15 +339,11 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
         raise CliError(exc.message, exit_code=exc.exit_code) from None
 
     # server manager: defaults < YAML top level < CLI
+    yaml_manager = {k: yaml_config[k] for k in MANAGER_KEYS if k in yaml_config}
     manager_dict = merge_dicts(
-        ServerManagerConfig().model_dump(),
-        {k: yaml_config[k] for k in MANAGER_KEYS if k in yaml_config},
-        {k: flags[k] for k in MANAGER_KEYS if k in flags},
+        ServerManagerConfig().model_dump(), yaml_manager, flags[MANAGER].values(args)
     )
-    try:
-        manager_config = ServerManagerConfig.model_validate(manager_dict)
-    except ValidationError as exc:
-        raise CliError(_validation_message(exc, "", flags, yaml_config, yaml_path)) from None
+    manager_config = validated(MANAGER, manager_dict, yaml_manager)
 
     extra: dict[str, Any] = {}
     if teacher is not None:
@@ -407,7 +352,9 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
             teacher_configs = env_cls._resolve_teacher_server_configs(
                 default_teacher_server_configs=env_cls.teacher_config_init(),
                 yaml_config=yaml_config,
-                cli_passed_flags={k: v for k, v in flags.items() if k.startswith(teacher_prefix)},
+                cli_passed_flags={
+                    f"{teacher_prefix}{k}": v for k, v in flags[teacher].values(args).items()
+                },
             )
         except ServerConfigError as exc:
             raise CliError(f"{teacher}: {exc.message}", exit_code=exc.exit_code) from None

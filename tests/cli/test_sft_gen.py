@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atroposlib.cli.datagen import select_dpo_pairs, select_sft, split_group
+from atroposlib.datagen import select_dpo_pairs, select_sft, split_group
 from tests.conftest import REPO
 
 ARITHMETIC_ENV = REPO / "environments" / "arithmetic_server.py"

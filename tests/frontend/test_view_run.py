@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atroposlib.cli.view_run import image_data_urls, read_groups_file, render_group
+from atroposlib.frontend.run_viewer import image_data_urls, read_groups_file, render_group
 from tests.conftest import REPO, free_port
 from tests.frontend.chromium import Browser, find_chromium
 

@@ -326,7 +326,7 @@ def test_config_yaml_then_flags(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "x", "--lr", "0"], "--lr: Input should be greater than 0"),
+        (["--model", "x", "--lr", "0"], "--lr '0': Input should be greater than 0"),
         (["--model", "x", "--loss-normalization", "mean"], "--loss-normalization"),
         ([], "--model-name: Field required"),
         (["--model", "x", "--reference-model", "y"], "kl_coef"),
