@@ -1,5 +1,7 @@
 """Evaluation output: ``metrics.json`` and ``samples.jsonl`` as upstream's ``evaluate_log``
-writes them (the lighteval-like layout nous-evals reads), and ``pass_at_k``."""
+writes them (the lighteval-like layout nous-evals reads), ``pass_at_k``, and the bodies of
+``BaseEnv.evaluate_log`` and ``BaseEnv.run_eval`` (:func:`log_env_evaluation`,
+:func:`run_env_eval`)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,20 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposlib.envs.sending import JsonlWriter
+from atroposlib.utils.concurrency import gather_bounded
 from atroposlib.utils.display import display_metrics_table
+
+if TYPE_CHECKING:
+    from atroposlib.envs.base import BaseEnv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate_log", "pass_at_k"]
+__all__ = ["evaluate_log", "log_env_evaluation", "pass_at_k", "run_env_eval"]
 
 
 def pass_at_k(m: int, c: int, k: int) -> float:
@@ -81,3 +87,70 @@ def evaluate_log(
             writer.close()
         logger.info("Evaluation samples saved to %s", out / "samples.jsonl")
     return path
+
+
+def log_env_evaluation(
+    env: BaseEnv,
+    metrics: Mapping[str, Any],
+    task_name: str | None = None,
+    model_name: str | None = None,
+    start_time: float | None = None,
+    end_time: float | None = None,
+    generation_parameters: Mapping[str, Any] | None = None,
+    samples: Sequence[Mapping[str, Any]] | None = None,
+    verbose: bool = True,
+) -> None:
+    """``BaseEnv.evaluate_log``: :func:`evaluate_log` into ``data_dir_to_save_evals`` with the
+    env's defaults (task ``{name}_eval``; model: the config's ``model_name``, else the first
+    server's; ``max_new_tokens`` from ``max_token_length``), and the numeric metrics queued in
+    ``env.eval_metrics`` for the next ``wandb_log`` (logged once)."""
+    env._evaluate_logged = True
+    if task_name is None:
+        task_name = f"{env.name or type(env).__name__}_eval"
+    if model_name is None:
+        model_name = getattr(env.config, "model_name", None)
+        if model_name is None and env.server.servers:
+            model_name = getattr(getattr(env.server.servers[0], "config", None), "model_name", None)
+    params = {"max_new_tokens": env.config.max_token_length, **(generation_parameters or {})}
+    if env.config.data_dir_to_save_evals is None:
+        logger.warning("data_dir_to_save_evals is not set, skipping evaluation logging")
+    else:
+        evaluate_log(
+            metrics,
+            eval_dir=env.config.data_dir_to_save_evals,
+            task_name=task_name,
+            model_name=model_name,
+            start_time=start_time,
+            end_time=end_time,
+            generation_parameters=params,
+            samples=samples,
+            verbose=verbose,
+        )
+    # logged to W&B by the next ``wandb_log`` (once; envs that also queue the same keys in
+    # ``eval_metrics`` overwrite them, they are not logged twice)
+    env.eval_metrics.extend((k, v) for k, v in metrics.items() if isinstance(v, (int, float)))
+
+
+async def run_env_eval(
+    env: BaseEnv,
+    jobs: Iterable[Awaitable[dict[str, Any]]],
+    metrics: Callable[[list[dict[str, Any]]], dict[str, float]],
+    *,
+    generation_parameters: dict[str, Any] | None = None,
+    task_name: str | None = None,
+    desc: str = "eval",
+) -> dict[str, float]:
+    """``BaseEnv.run_eval``: ``jobs`` at most ``max_eval_workers`` at a time (progress bar
+    ``desc``), ``metrics(samples)``, then ``env.evaluate_log``; the metrics."""
+    start = time.time()
+    samples = await gather_bounded(list(jobs), env.config.max_eval_workers, desc=desc)
+    result = metrics(samples)
+    await env.evaluate_log(
+        result,
+        task_name=task_name,
+        samples=samples,
+        start_time=start,
+        end_time=time.time(),
+        generation_parameters=generation_parameters,
+    )
+    return result

@@ -272,6 +272,21 @@ class JsonlWriter:
         self.path = Path(path)
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
 
+    @classmethod
+    def at_free_path(cls, path: str | Path) -> JsonlWriter:
+        """A writer at ``path``, or at the first of ``stem_1``, ``stem_2``... that does not
+        exist (an existing file is never overwritten; the change is logged). Creates the
+        folder."""
+        wanted = candidate = Path(path)
+        counter = 1
+        while candidate.exists():
+            candidate = wanted.with_stem(f"{wanted.stem}_{counter}")
+            counter += 1
+        if candidate != wanted:
+            logger.info("Changed data path to %s because %s already exists.", candidate, path)
+        candidate.parent.mkdir(parents=True, exist_ok=True)
+        return cls(candidate)
+
     def write(self, obj: Mapping[str, Any] | Any) -> None:
         """Write ``obj`` as one line."""
         self._file.write(dumps(obj) + b"\n")

@@ -118,3 +118,40 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def wandb_offline_history(wandb_dir: Path) -> list[dict[str, Any]]:
+    """The rows an offline W&B run logged (``wandb.log`` calls, in order), read from the one
+    ``offline-run-*/run-*.wandb`` file under ``wandb_dir``: W&B's record log (LevelDB log
+    framing: 32 KiB blocks of chunks with a 7-byte header) of ``wandb_internal_pb2.Record``."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    files = list(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    data = files[0].read_bytes()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    rows: list[dict[str, Any]] = []
+    pos, block, record = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:  # padding
+            continue
+        record = chunk if kind in (1, 2) else record + chunk  # full/first, middle/last
+        if kind in (1, 4):
+            parsed = wandb_internal_pb2.Record()
+            parsed.ParseFromString(record)
+            if parsed.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in parsed.history.item
+                    }
+                )
+    return rows

@@ -1,0 +1,355 @@
+"""The ``serve`` runtime: the loop that keeps an environment's rollouts running.
+
+Behind ``BaseEnv``'s ``env_manager``, ``add_train_workers``, ``env_step_checks`` and
+``handle_env``. :class:`ServeLoop` polls ``/status-env`` every ``STATUS_POLL_INTERVAL`` seconds
+and wakes at once when a rollout finishes; on each pass it
+
+* starts an eval or a checkpoint when the trainer crossed a multiple of ``steps_per_eval`` /
+  ``checkpoint_interval``, and logs to W&B on a new step (``env_step_checks``);
+* stops when the queued data covers ``total_steps``;
+* unless the API's queue is full (``throttle.queue_is_full``), starts rollouts up to the cap
+  (``add_train_workers``: retried items first, then the backlog, then ``get_next_item()``);
+* cancels rollouts older than ``worker_timeout`` (retried, then dropped as ``timeout``).
+
+A rollout (``handle_env``) runs ``collect_trajectories`` and ``postprocess_histories``, then
+``handle_send_to_api`` and ``cleanup``; one that raises is retried ``rollout_retries`` times,
+then dropped as ``error`` with its traceback. The decisions themselves are pure functions in
+:mod:`atroposlib.envs.throttle`. Every env hook is called through ``env.``, so overrides apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+from collections import deque
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from atroposlib.envs import throttle
+from atroposlib.envs.config import EvalHandlingEnum
+from atroposlib.type_definitions import Item
+
+if TYPE_CHECKING:
+    from atroposlib.envs.base import BaseEnv
+
+# a child of the logger upstream's envs configure (``atroposlib.envs.base``)
+logger = logging.getLogger("atroposlib.envs.base.runtime")
+
+__all__ = ["STATUS_POLL_INTERVAL", "ServeLoop", "record_failure"]
+
+#: Seconds between two ``/status-env`` polls of the main loop.
+STATUS_POLL_INTERVAL = 0.1
+
+
+def record_failure(env: BaseEnv, item: Item, attempts: int, reason: str, detail: str) -> bool:
+    """Count and log a failed rollout of ``item`` (its ``attempts``-th failure); whether it may
+    be retried (``attempts <= rollout_retries``: counted in ``retried_rollouts``), else it is
+    dropped (counted in ``drop_counts[reason]``)."""
+    if attempts <= env.config.rollout_retries:
+        env.retried_rollouts += 1
+        logger.warning(
+            "Rollout %s (attempt %d of %d); retrying:\n%s",
+            reason,
+            attempts,
+            env.config.rollout_retries + 1,
+            detail,
+        )
+        return True
+    env.drop_counts[reason] += 1
+    logger.error(
+        "Rollout %s %d times; giving up on item %s:\n%s",
+        reason,
+        attempts,
+        str(item)[:200],
+        detail,
+    )
+    return False
+
+
+class ServeLoop:
+    """The ``serve`` runtime of one environment (``env._serve_loop``).
+
+    Running rollouts are in ``env.workers`` (tasks) and ``env.running_items`` (uuid -> item,
+    worker, start time, attempts, whether it is sending); the loop's own state is the queue
+    of items to retry and the event that wakes it.
+    """
+
+    def __init__(self, env: BaseEnv) -> None:
+        self.env = env
+        #: Items to roll out again: ``(item, failed attempts so far)``.
+        self.retry_queue: deque[tuple[Item, int]] = deque()
+        self._wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """``env_manager``: setup, W&B, register, then the main loop; always shuts down."""
+        env = self.env
+        try:
+            await env.setup()
+            await env.setup_wandb()
+            await env.register_env()
+            await env.get_server_info()
+            await self._main_loop()
+        finally:
+            await self._shutdown()
+
+    async def _main_loop(self) -> None:
+        env = self.env
+        self._wake = asyncio.Event()
+        next_poll = 0.0
+        last_loop_time: float | None = None
+        while True:
+            now = time.monotonic()
+            if last_loop_time is not None:
+                env.mainloop_timings.append(max(0.0, time.time() - last_loop_time))
+            last_loop_time = time.time()
+            if now >= next_poll:
+                await env.get_status()
+                next_poll = time.monotonic() + STATUS_POLL_INTERVAL
+                await env.env_step_checks()
+            if self._should_stop():
+                logger.info(
+                    "Enough data for total_steps=%d is queued or trained on; stopping",
+                    env.config.total_steps,
+                )
+                return
+            if not self._is_paused(self._effective_status()):
+                await env.add_train_workers()
+            self._reap_timeouts()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_poll - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _shutdown(self) -> None:
+        """Cancel rollouts and the eval, stop the sender, disconnect, close every client."""
+        env = self.env
+        tasks = list(env.workers)
+        for task in tasks:
+            task.cancel()
+        if env.eval_runner is not None and not env.eval_runner.done():
+            env.eval_runner.cancel()
+            tasks.append(env.eval_runner)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        env.workers = set()
+        env.running_items = {}
+        await env._group_sender.close()
+        await env._registration.disconnect()
+        if env._api is not None:
+            await env._api.aclose()
+        if env.jsonl_writer is not None:
+            env.jsonl_writer.close()
+        close = getattr(env.server, "close", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("closing servers: %s", exc)
+        env._wandb_logging.finish()
+        logger.info(
+            "Env stopped: %d groups sent, %d rollouts retried, dropped: %s",
+            env.groups_sent,
+            env.retried_rollouts,
+            dict(env.drop_counts) or "none",
+        )
+
+    # ------------------------------------------------------------------ decisions
+
+    def _effective_status(self) -> dict[str, Any]:
+        env = self.env
+        status = dict(env.status_dict or {})
+        status.setdefault("current_step", env.curr_step)
+        status.setdefault("queue_size", 0)
+        # groups sent since the last poll are in the queue even if the poll does not say so
+        status["queue_size"] = int(status["queue_size"]) + env._sent_since_status
+        return status
+
+    def _is_paused(self, status: dict[str, Any]) -> bool:
+        env = self.env
+        if env.status_dict is None:
+            return True
+        return throttle.queue_is_full(
+            status,
+            env.config.group_size,
+            env.config.batch_size,
+            env.config.max_batches_offpolicy,
+            env.config.min_batch_allocation,
+            env.derived_batch_size,
+        )
+
+    def _should_stop(self) -> bool:
+        env = self.env
+        if env.status_dict is None or env.config.batch_size <= 0:
+            return False
+        projected = throttle.projected_step(
+            self._effective_status(), env.config.group_size, env.config.batch_size
+        )
+        return projected >= env.config.total_steps
+
+    def _worker_cap(self) -> int | None:
+        """How many rollouts may run now; None while an eval holds training back."""
+        env = self.env
+        cap = env.max_num_workers
+        if env.eval_runner is not None and not env.eval_runner.done():
+            if env.config.eval_handling == EvalHandlingEnum.STOP_TRAIN:
+                return None
+            if env.config.eval_handling == EvalHandlingEnum.LIMIT_TRAIN:
+                cap = int(cap * env.config.eval_limit_ratio)
+        if env.config.batch_size > 0 and env.status_dict is not None:
+            cap = min(
+                cap,
+                throttle.train_worker_cap(
+                    cap,
+                    self._effective_status(),
+                    env.config.group_size,
+                    env.config.batch_size,
+                    env.config.max_batches_offpolicy,
+                    env.config.min_batch_allocation,
+                    env.derived_batch_size,
+                ),
+            )
+        return cap
+
+    # ------------------------------------------------------------------ the hooks' bodies
+
+    async def add_train_workers(self) -> None:
+        """``add_train_workers``: start rollouts up to the current cap."""
+        env = self.env
+        cap = self._worker_cap()
+        if cap is None:
+            return
+        added = 0
+        while len(env.workers) < cap:
+            if self.retry_queue:
+                item, attempts = self.retry_queue.popleft()
+            elif env.backlog:
+                item, attempts = env.backlog.pop(), 0
+            else:
+                item, attempts = await env.get_next_item(), 0
+                if item is None:
+                    break
+            self._spawn(item, attempts)
+            added += 1
+        if added:
+            env.workers_added_list.append(added)
+
+    async def env_step_checks(self) -> None:
+        """``env_step_checks``: eval / checkpoint on crossed multiples, W&B on a new step."""
+        env = self.env
+        if env.status_dict is None:
+            return
+        new_step = int(env.status_dict["current_step"])
+        if new_step == env.curr_step:
+            return
+        old_step = env.curr_step
+        if throttle.crossed_multiple(old_step, new_step, env.config.steps_per_eval):
+            if env.eval_runner is None or env.eval_runner.done():
+                logger.info("Step %d: starting evaluate()", new_step)
+                env.eval_runner = asyncio.create_task(env.evaluate())
+                env.eval_runner.add_done_callback(_log_eval_result)
+            else:
+                logger.warning(
+                    "The previous eval is still running; skipping the eval at step %d", new_step
+                )
+        if throttle.crossed_multiple(old_step, new_step, env.checkpoint_interval):
+            env.save_checkpoint((new_step // env.checkpoint_interval) * env.checkpoint_interval)
+        env.curr_step = new_step
+        if env.items_sent_this_step >= env.config.min_items_sent_before_logging:
+            env.items_sent_this_step = 0
+            await env.wandb_log({})
+
+    async def handle_env(self, item_uuid: str) -> Any:
+        """``handle_env``: collect, postprocess, send and clean up one running item."""
+        env = self.env
+        entry = env.running_items.get(item_uuid)
+        if entry is None:
+            logger.warning("item %s not found", item_uuid)
+            return None
+        item = entry["item"]
+        start = time.time()
+        try:
+            to_postprocess, to_backlog = await env.collect_trajectories(item)
+            if to_backlog:
+                env.backlog.extend(to_backlog)
+            if to_postprocess:
+                to_postprocess = await env.postprocess_histories(to_postprocess)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - retried, then counted with the traceback
+            env.running_items.pop(item_uuid, None)
+            self._retry_or_drop(entry, "error", traceback.format_exc())
+            env.failed_task_duration.append(time.time() - start)
+            return None
+        duration = max(0.0, time.time() - start)
+        env.task_duration.append(duration)
+        entry["sending"] = True
+        try:
+            if to_postprocess:
+                env.succeeded_task_duration.append(duration)
+                await env.handle_send_to_api(to_postprocess, item)
+            else:
+                env.failed_task_duration.append(duration)
+            await env.cleanup()
+        finally:
+            env.running_items.pop(item_uuid, None)
+        return to_postprocess
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self, item: Item, attempts: int = 0) -> None:
+        env = self.env
+        item_uuid = str(uuid.uuid4())
+        task = asyncio.create_task(env.handle_env(item_uuid))
+        env.running_items[item_uuid] = {
+            "item": item,
+            "worker": task,
+            "start_time": time.time(),
+            "attempts": attempts,
+            "sending": False,
+        }
+        env.workers.add(task)
+        task.add_done_callback(partial(self._worker_done, item))
+
+    def _worker_done(self, item: Item, task: asyncio.Task) -> None:
+        self.env.workers.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.env.drop_counts["error"] += 1
+            logger.error("Rollout worker failed", exc_info=(type(exc), exc, exc.__traceback__))
+        if self._wake is not None:
+            self._wake.set()
+
+    def _retry_or_drop(self, entry: dict[str, Any], reason: str, detail: str) -> None:
+        attempts = entry["attempts"] + 1
+        if record_failure(self.env, entry["item"], attempts, reason, detail):
+            self.retry_queue.append((entry["item"], attempts))
+
+    def _reap_timeouts(self) -> None:
+        env = self.env
+        timeout = env.config.worker_timeout
+        if timeout <= 0:
+            return
+        now = time.time()
+        for item_uuid, entry in list(env.running_items.items()):
+            if entry["sending"] or now - entry["start_time"] <= timeout:
+                continue
+            env.running_items.pop(item_uuid, None)
+            entry["worker"].cancel()
+            env.workers.discard(entry["worker"])
+            self._retry_or_drop(
+                entry, "timeout", f"no result after {now - entry['start_time']:.1f}s"
+            )
+
+
+def _log_eval_result(task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.error("evaluate() failed", exc_info=(type(exc), exc, exc.__traceback__))
