@@ -139,6 +139,12 @@ class ServeLoop:
             await asyncio.gather(*tasks, return_exceptions=True)
         env.workers = set()
         env.running_items = {}
+        if env.eval_metrics and env.config.use_wandb:
+            # an eval that finished after the last step's log still reaches W&B
+            try:
+                await env.wandb_log({})
+            except Exception as exc:  # noqa: BLE001 - W&B trouble must not block shutdown
+                logger.debug("final wandb_log: %s", exc)
         await env._group_sender.close()
         await env._registration.disconnect()
         if env._api is not None:

@@ -196,7 +196,8 @@ class WandbLogging:
             if values:
                 wandb_metrics.setdefault(name, sum(values) / len(values))
         self.train_metrics = {}
-        for name, value in env.eval_metrics:
+        # the newest value of each queued eval metric (two evals between logs: the second's)
+        for name, value in dict(env.eval_metrics).items():
             wandb_metrics.setdefault(name, value)
         env.eval_metrics = []
         server_metrics: dict[str, Any] = {}
