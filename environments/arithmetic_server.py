@@ -31,19 +31,13 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from typing import Any
 
 from pydantic import Field, model_validator
 
-from atroposlib.envs.base import (
-    APIServerConfig,
-    BaseEnv,
-    BaseEnvConfig,
-    ScoredDataGroup,
-)
-from atroposlib.utils.concurrency import gather_bounded
-from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
 SYSTEM_PROMPT = "You are a calculator. Reply with only the final integer answer."
 _INT = re.compile(r"-?\d+")
@@ -194,18 +188,10 @@ class ArithmeticEnv(BaseEnv):
             # a small or untrained model often scores a whole group alike; keep those groups
             # so the trainer is always fed (their advantages are zero)
             ensure_scores_are_not_same=False,
+            # the held-out problems are asked as fast as the server's eval slots allow
+            max_eval_workers=64,
         )
-        servers = [
-            APIServerConfig(
-                model_name="SmolLM2-135M-Instruct",
-                base_url="http://localhost:9001/v1",
-                api_key="x",
-                server_type="vllm",
-                num_requests_for_eval=64,
-                timeout=120,
-            )
-        ]
-        return env_config, servers
+        return env_config, local_server_configs(num_requests_for_eval=64, timeout=120)
 
     async def setup(self) -> None:
         cfg = self.config
@@ -216,7 +202,6 @@ class ArithmeticEnv(BaseEnv):
         self._held_out = {p["question"] for p in self.eval_problems}
         self._held_out |= {q for q, _ in FEW_SHOT_EXAMPLES}  # shown as examples, never asked
         self.iter = 0
-        self.percent_correct_buffer: list[float] = []
 
     async def get_next_item(self) -> dict[str, Any]:
         """The next training problem: never one of the held-out evaluation problems."""
@@ -236,10 +221,6 @@ class ArithmeticEnv(BaseEnv):
         messages.append({"role": "user", "content": question})
         return messages
 
-    def _uses_token_server(self) -> bool:
-        server = self.server.servers[0] if self.server.servers else None
-        return bool(getattr(server, "provides_token_logprobs", False))
-
     def _score(self, text: str, answer: int, reply_tokens: int) -> float:
         cfg = self.config
         answer_tokens = len(self.tokenizer.encode(str(answer), add_special_tokens=False)) + 1
@@ -253,18 +234,18 @@ class ArithmeticEnv(BaseEnv):
         )
 
     async def collect_trajectories(self, item: dict[str, Any]) -> tuple[ScoredDataGroup, list]:
-        messages = self._messages(item["question"])
-        kwargs = {
-            "messages": messages,
-            "n": self.config.group_size,
-            "max_tokens": self.config.max_answer_tokens,
-            "temperature": self.config.temperature,
-        }
+        samples = await sample_chat_group(
+            self,
+            self._messages(item["question"]),
+            n=self.config.group_size,
+            max_tokens=self.config.max_answer_tokens,
+            temperature=self.config.temperature,
+        )
         group: ScoredDataGroup = {
-            "tokens": [],
-            "masks": [],
-            "scores": [],
-            "messages": [],
+            "tokens": [s.tokens for s in samples],
+            "masks": [s.masks for s in samples],
+            "scores": [self._score(s.text, item["answer"], s.trainable_tokens) for s in samples],
+            "messages": [s.messages for s in samples],
             "group_overrides": {},
             # the trainer scales its logits by the temperature the samples were drawn at
             "generation_params": {
@@ -272,38 +253,14 @@ class ArithmeticEnv(BaseEnv):
                 "max_tokens": self.config.max_answer_tokens,
             },
         }
-        correct = []
-        if self._uses_token_server():
-            async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-                reply = await managed.chat_completion(**kwargs)
-                nodes = managed.get_state()["nodes"]
-            group["inference_logprobs"] = []
-            for choice, node in zip(reply.choices, nodes, strict=True):
-                text = choice.message.content or ""
-                reply_tokens = sum(1 for m in node.masked_tokens if m != -100)
-                group["tokens"].append(list(node.tokens))
-                group["masks"].append(list(node.masked_tokens))
-                group["inference_logprobs"].append(list(node.logprobs))
-                group["scores"].append(self._score(text, item["answer"], reply_tokens))
-                group["messages"].append([*messages, {"role": "assistant", "content": text}])
-                correct.append(graded_answer(text) == item["answer"])
-        else:
-            reply = await self.server.chat_completion(**kwargs)
-            for choice in reply.choices:
-                text = choice.message.content or ""
-                chat = [*messages, {"role": "assistant", "content": text}]
-                out = tokenize_for_trainer(
-                    self.tokenizer, chat, finish_reason=choice.finish_reason or ""
-                )
-                reply_tokens = sum(1 for m in out["masks"] if m != -100)
-                group["tokens"].append(out["tokens"])
-                group["masks"].append(out["masks"])
-                group["scores"].append(self._score(text, item["answer"], reply_tokens))
-                group["messages"].append(chat)
-                correct.append(graded_answer(text) == item["answer"])
+        if all(s.logprobs is not None for s in samples):
+            group["inference_logprobs"] = [s.logprobs for s in samples]
         if len(group["tokens"]) != self.config.group_size:
             group["group_overrides"]["group_size"] = len(group["tokens"])
-        self.percent_correct_buffer.extend(1.0 if ok else 0.0 for ok in correct)
+        self.log_train_metric(
+            "train/percent_correct",
+            [1.0 if graded_answer(s.text) == item["answer"] else 0.0 for s in samples],
+        )
         return group, []
 
     async def _ask(self, problem: dict[str, Any]) -> dict[str, Any]:
@@ -329,41 +286,26 @@ class ArithmeticEnv(BaseEnv):
             "finish_reason": reply.choices[0].finish_reason,
         }
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Ask every held-out problem greedily; grade each reply by its first integer.
-
-        Metrics: ``eval/percent_correct`` (the grade), ``eval/answer_anywhere`` (the answer
-        appears somewhere in the reply), ``eval/bare_answer`` (the reply is only an integer),
-        ``eval/mean_reply_chars``.
-        """
-        start = time.time()
-        samples = await gather_bounded(
-            [self._ask(p) for p in self.eval_problems], len(self.eval_problems), desc="eval"
-        )
-        n = len(samples)
-        metrics = {
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """``eval/percent_correct`` (the grade), ``eval/answer_anywhere`` (the answer appears
+        somewhere in the reply), ``eval/bare_answer`` (the reply is only an integer),
+        ``eval/mean_reply_chars``."""
+        n = max(1, len(samples))
+        return {
             "eval/percent_correct": sum(s["correct"] for s in samples) / n,
             "eval/answer_anywhere": sum(s["answer_anywhere"] for s in samples) / n,
             "eval/bare_answer": sum(s["bare"] for s in samples) / n,
             "eval/mean_reply_chars": sum(len(s["response"]) for s in samples) / n,
         }
-        await self.evaluate_log(
-            metrics,
-            samples=list(samples),
-            start_time=start,
-            end_time=time.time(),
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Ask every held-out problem greedily; grade each reply by its first integer."""
+        return await self.run_eval(
+            [self._ask(p) for p in self.eval_problems],
+            self.summarize_eval,
             generation_parameters={"temperature": 0.0, "max_tokens": self.config.max_answer_tokens},
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.percent_correct_buffer:
-            wandb_metrics["train/percent_correct"] = sum(self.percent_correct_buffer) / len(
-                self.percent_correct_buffer
-            )
-            self.percent_correct_buffer = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

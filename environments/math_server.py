@@ -1,29 +1,28 @@
 """MATH-style problems (competition math, LaTeX answers) verified with ``math-verify``.
 
-Same scoring as :mod:`gsm8k_server` (+1 / -1, length penalty when all are right), with gold
-answers that are LaTeX expressions (``\\frac{1}{2}``, ``3\\sqrt{2}``...). Data: upstream trains on
-``zwhe99/DeepMath-103K`` (``question``, ``final_answer``) and evaluates on
-``HuggingFaceH4/MATH-500`` (``problem``, ``answer``) from the Hub; ``--env.dataset_path`` reads a
-local folder with ``train.jsonl``/``test.jsonl`` (or one file) whose rows carry a problem field
-and an answer field (``question_field`` / ``answer_field``).
+Same scoring as ``gsm8k_server`` (``atroposlib.envs.math_verify_env``: +1 / -1, length penalty
+when all are right), with gold answers that are LaTeX expressions (``\\frac{1}{2}``,
+``3\\sqrt{2}``...). Data: upstream trains on ``zwhe99/DeepMath-103K`` (``question``,
+``final_answer``) and evaluates on ``HuggingFaceH4/MATH-500`` (``problem``, ``answer``) from the
+Hub; ``--env.dataset_path`` reads a local folder with ``train.jsonl``/``test.jsonl`` (or one
+file) whose rows carry a problem field and an answer field (``question_field`` /
+``answer_field``).
 
     python environments/math_server.py process --env.dataset_path my_math/ --env.total_steps 4
 """
 
 from __future__ import annotations
 
-import random
-import sys
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gsm8k_server import GSM8kEnv, GSM8kEnvConfig, load_rows  # noqa: E402
+from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
+from atroposlib.utils.data import load_rows
 
 
-class MathEnvConfig(GSM8kEnvConfig):
+class MathEnvConfig(MathVerifyEnvConfig):
     """Settings of the MATH-style environment."""
 
     question_field: str = Field(default="problem", description="Row field holding the problem")
@@ -36,16 +35,15 @@ class MathEnvConfig(GSM8kEnvConfig):
     )
 
 
-class MathEnv(GSM8kEnv):
+class MathEnv(MathVerifyEnv):
     """Competition math with math-verify rewards."""
 
     name = "math"
     env_config_cls = MathEnvConfig
 
     @classmethod
-    def config_init(cls):
-        config, servers = super().config_init()
-        return MathEnvConfig(**{**config.model_dump(), "wandb_name": "math"}), servers
+    def config_init(cls) -> tuple[MathEnvConfig, list[APIServerConfig]]:
+        return cls.default_configs("math")
 
     def _normalise(self, row: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
@@ -72,15 +70,6 @@ class MathEnv(GSM8kEnv):
 
     def gold_for(self, item: dict[str, Any]) -> str:
         return item["answer"]
-
-    async def setup(self) -> None:
-        self.train = self.load_split("train")
-        random.Random(self.config.seed).shuffle(self.train)
-        test = self.load_split("test")
-        if self.config.max_eval_items >= 0:
-            test = test[: self.config.max_eval_items]
-        self.test = [{"question": r["question"], "gold_answer": r["answer"]} for r in test]
-        self.iter = 0
 
 
 if __name__ == "__main__":

@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.answers import extract_choice_letter, format_choices
 from atroposlib.scoring.rewards import length_penalty_scores
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gsm8k_server import (  # noqa: E402
-    eval_completion,
-    gather_bounded,
-    sample_chat_group,
-    token_server_config,
-)
 
 SYSTEM_PROMPT = (
     "You are an expert who answers multiple-choice questions. Think briefly, then give your "
@@ -115,8 +107,6 @@ class MMLUEnv(BaseEnv):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.iter = 0
-        self.percent_correct_buffer: list[float] = []
-        self.eval_metrics: list[tuple[str, float]] = []
 
     @classmethod
     def config_init(cls) -> tuple[MMLUEnvConfig, list[APIServerConfig]]:
@@ -130,7 +120,7 @@ class MMLUEnv(BaseEnv):
             steps_per_eval=100,
             wandb_name="mmlu",
         )
-        return env_config, token_server_config()
+        return env_config, local_server_configs()
 
     async def setup(self) -> None:
         source = self.config.data_source
@@ -181,7 +171,7 @@ class MMLUEnv(BaseEnv):
         }
         if all(s.logprobs is not None for s in samples):
             group["inference_logprobs"] = [s.logprobs for s in samples]
-        self.percent_correct_buffer.extend(group["scores"])
+        self.log_train_metric("train/percent_correct", group["scores"])
         if self.config.length_penalty and all(s == 1.0 for s in group["scores"]):
             group["scores"] = length_penalty_scores(
                 [len(t) for t in group["tokens"]], self.config.max_token_length
@@ -206,40 +196,25 @@ class MMLUEnv(BaseEnv):
             "finish_reason": finish,
         }
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        start = time.time()
-        samples = await gather_bounded(
-            [self._eval_one(row) for row in self.test], self.config.max_eval_workers, desc="eval"
-        )
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """The evaluation metrics of the answered questions."""
         n = max(1, len(samples))
-        metrics = {
+        return {
             "eval/percent_correct": sum(s["score"] for s in samples) / n,
             "eval/percent_answered": sum(s["model_parsed"] is not None for s in samples) / n,
             "eval/num_items": float(len(samples)),
         }
-        self.eval_metrics.extend(metrics.items())
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self._eval_one(row) for row in self.test],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": self.config.eval_temperature,
                 "max_tokens": self.config.eval_max_tokens,
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.percent_correct_buffer:
-            wandb_metrics["train/percent_correct"] = sum(self.percent_correct_buffer) / len(
-                self.percent_correct_buffer
-            )
-        self.percent_correct_buffer = []
-        wandb_metrics.update(dict(self.eval_metrics))
-        self.eval_metrics = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

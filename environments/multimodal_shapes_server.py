@@ -27,15 +27,15 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 from typing import Any, Literal
 
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.images import ascii_art, encode_png, flatten_for_text_model, image_message
-from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 SYSTEM_PROMPT = (
     "You are looking at an image. Answer the question about it. Put only the final answer "
@@ -155,24 +155,13 @@ class MultimodalShapesEnv(BaseEnv):
             wandb_name="multimodal_shapes",
             ensure_scores_are_not_same=False,
         )
-        servers = [
-            APIServerConfig(
-                model_name="SmolLM2-135M-Instruct",
-                base_url="http://localhost:9001/v1",
-                api_key="x",
-                server_type="vllm",
-                num_requests_for_eval=8,
-                timeout=300,
-            )
-        ]
-        return env_config, servers
+        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)
         self.eval_seeds = [
             10_000_000 + self.config.seed * 1000 + i for i in range(self.config.num_eval_items)
         ]
-        self.correct_buffer: list[float] = []
 
     async def get_next_item(self) -> dict[str, Any]:
         return {"seed": self.rng.randrange(2**31)}
@@ -191,106 +180,74 @@ class MultimodalShapesEnv(BaseEnv):
         legend = "(ASCII view: r=red g=green b=blue y=yellow .=background)"
         return vlm, flatten_for_text_model(vlm, renderings=[f"{legend}\n{art}"]), b64
 
-    def _uses_token_server(self) -> bool:
-        server = self.server.servers[0] if self.server.servers else None
-        return bool(getattr(server, "provides_token_logprobs", False))
-
     async def collect_trajectories(
         self, item: dict[str, Any]
     ) -> tuple[ScoredDataGroup | None, list]:
         scene = render_scene(item["seed"])
         vlm, request, b64 = self.build_messages(scene)
-        kwargs = {
-            "messages": request,
-            "n": self.config.group_size,
-            "max_tokens": self.config.max_answer_tokens,
-            "temperature": self.config.temperature,
+        samples = await sample_chat_group(
+            self,
+            request,
+            n=self.config.group_size,
+            max_tokens=self.config.max_answer_tokens,
+            temperature=self.config.temperature,
+            # image parts: a text chat template cannot render them, so the trained tokens
+            # are the chat re-tokenized with an <image> placeholder
+            retokenize=self.config.image_transport == "content_parts",
+        )
+        texts = [s.text for s in samples]
+        group: ScoredDataGroup = {
+            "tokens": [s.tokens for s in samples],
+            "masks": [s.masks for s in samples],
+            "scores": [score_reply(t, scene["answer"]) for t in texts],
+            "messages": [[*vlm, {"role": "assistant", "content": t}] for t in texts],
         }
-        group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
-        texts: list[str] = []
-        token_path = self._uses_token_server() and self.config.image_transport == "text_fallback"
-        if token_path:
-            async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-                reply = await managed.chat_completion(**kwargs)
-                nodes = managed.get_state()["nodes"]
-            group["inference_logprobs"] = []
-            for choice, node in zip(reply.choices, nodes, strict=True):
-                texts.append(choice.message.content or "")
-                group["tokens"].append(list(node.tokens))
-                group["masks"].append(list(node.masked_tokens))
-                group["inference_logprobs"].append(list(node.logprobs))
-        else:
-            reply = await self.server.chat_completion(**kwargs)
-            flat = flatten_for_text_model(request)
-            for choice in reply.choices:
-                text = choice.message.content or ""
-                texts.append(text)
-                out = tokenize_for_trainer(
-                    self.tokenizer,
-                    [*flat, {"role": "assistant", "content": text}],
-                    finish_reason=choice.finish_reason or "",
-                )
-                group["tokens"].append(out["tokens"])
-                group["masks"].append(out["masks"])
-        group["scores"] = [score_reply(t, scene["answer"]) for t in texts]
-        group["messages"] = [[*vlm, {"role": "assistant", "content": t}] for t in texts]
+        if all(s.logprobs is not None for s in samples):
+            group["inference_logprobs"] = [s.logprobs for s in samples]
         group["images"] = [b64] * len(texts)
         n = len(texts)
         group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
-        self.correct_buffer.extend(1.0 if s == 1.0 else 0.0 for s in group["scores"])
+        self.log_train_metric(
+            "train/percent_correct", [1.0 if s == 1.0 else 0.0 for s in group["scores"]]
+        )
         return group, []
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        start = time.time()
-        samples = []
-        by_kind: dict[str, list[float]] = {}
-        for seed in self.eval_seeds:
-            scene = render_scene(seed)
-            _, request, _ = self.build_messages(scene)
-            reply = await self.server.chat_completion(
-                messages=request,
-                n=1,
-                max_tokens=self.config.max_answer_tokens,
-                temperature=0.0,
-                split="eval",
-            )
-            text = reply.choices[0].message.content or ""
-            score = score_reply(text, scene["answer"])
-            by_kind.setdefault(scene["kind"], []).append(float(score == 1.0))
-            samples.append(
-                {
-                    "question": scene["question"],
-                    "gold_answer": scene["answer"],
-                    "response": text,
-                    "kind": scene["kind"],
-                    "score": score,
-                    "correct": score == 1.0,
-                }
-            )
-        n = len(samples)
+    async def _eval_one(self, seed: int) -> dict[str, Any]:
+        """A greedy answer about the fixed scene ``seed``."""
+        scene = render_scene(seed)
+        _, request, _ = self.build_messages(scene)
+        text, _ = await eval_completion(self, request, self.config.max_answer_tokens, 0.0)
+        score = score_reply(text, scene["answer"])
+        return {
+            "question": scene["question"],
+            "gold_answer": scene["answer"],
+            "response": text,
+            "kind": scene["kind"],
+            "score": score,
+            "correct": score == 1.0,
+        }
+
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """``eval/accuracy``, ``eval/answer_rate`` and the accuracy per question kind."""
+        n = max(1, len(samples))
         metrics = {
             "eval/accuracy": sum(s["correct"] for s in samples) / n,
             "eval/answer_rate": sum(s["score"] > -1.0 for s in samples) / n,
         }
+        by_kind: dict[str, list[float]] = {}
+        for s in samples:
+            by_kind.setdefault(s["kind"], []).append(float(s["correct"]))
         for kind, values in sorted(by_kind.items()):
             metrics[f"eval/accuracy_{kind}"] = sum(values) / len(values)
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
-            generation_parameters={"temperature": 0.0, "max_tokens": self.config.max_answer_tokens},
-        )
         return metrics
 
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.correct_buffer:
-            wandb_metrics["train/percent_correct"] = sum(self.correct_buffer) / len(
-                self.correct_buffer
-            )
-            self.correct_buffer = []
-        await super().wandb_log(wandb_metrics)
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self._eval_one(seed) for seed in self.eval_seeds],
+            self.summarize_eval,
+            generation_parameters={"temperature": 0.0, "max_tokens": self.config.max_answer_tokens},
+        )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.judge import (
     DEFAULT_RUBRIC,
     JudgeStats,
@@ -46,7 +47,6 @@ from atroposlib.scoring.judge import (
     score_group_pairwise,
     score_group_rubric,
 )
-from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
 SYSTEM_PROMPT = "You are a helpful, honest and concise assistant."
 
@@ -192,17 +192,7 @@ class RLAIFEnv(BaseEnv):
             wandb_name="rlaif",
             ensure_scores_are_not_same=False,
         )
-        servers = [
-            APIServerConfig(
-                model_name="SmolLM2-135M-Instruct",
-                base_url="http://localhost:9001/v1",
-                api_key="x",
-                server_type="vllm",
-                num_requests_for_eval=8,
-                timeout=300,
-            )
-        ]
-        return env_config, servers
+        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         cfg = self.config
@@ -224,8 +214,8 @@ class RLAIFEnv(BaseEnv):
         )
         self._judge_sem = asyncio.Semaphore(cfg.judge_concurrency)
         self.judge_stats = JudgeStats()
+        self._eval_stats = JudgeStats()  # judge calls of the current evaluate()
         self.iter = 0
-        self.score_buffer: list[float] = []
 
     async def judge(self, messages: list[dict[str, str]], n: int = 1) -> list[str]:
         """The judge endpoint, with bounded concurrency (a ``JudgeFn``)."""
@@ -239,10 +229,6 @@ class RLAIFEnv(BaseEnv):
 
     def _messages(self, prompt: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
-
-    def _uses_token_server(self) -> bool:
-        server = self.server.servers[0] if self.server.servers else None
-        return bool(getattr(server, "provides_token_logprobs", False))
 
     async def score_answers(self, prompt: str, answers: list[str]) -> list[float]:
         """Judge scores in [-1, 1] for ``answers`` to ``prompt`` (per ``judge_mode``)."""
@@ -260,111 +246,80 @@ class RLAIFEnv(BaseEnv):
     async def collect_trajectories(
         self, item: dict[str, Any]
     ) -> tuple[ScoredDataGroup | None, list]:
-        messages = self._messages(item["prompt"])
-        kwargs = {
-            "messages": messages,
-            "n": self.config.group_size,
-            "max_tokens": self.config.max_answer_tokens,
-            "temperature": self.config.temperature,
+        samples = await sample_chat_group(
+            self,
+            self._messages(item["prompt"]),
+            n=self.config.group_size,
+            max_tokens=self.config.max_answer_tokens,
+            temperature=self.config.temperature,
+        )
+        texts = [s.text for s in samples]
+        group: ScoredDataGroup = {
+            "tokens": [s.tokens for s in samples],
+            "masks": [s.masks for s in samples],
+            "scores": [float(s) for s in await self.score_answers(item["prompt"], texts)],
+            "messages": [s.messages for s in samples],
         }
-        group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
-        texts: list[str] = []
-        if self._uses_token_server():
-            async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-                reply = await managed.chat_completion(**kwargs)
-                nodes = managed.get_state()["nodes"]
-            group["inference_logprobs"] = []
-            for choice, node in zip(reply.choices, nodes, strict=True):
-                texts.append(choice.message.content or "")
-                group["tokens"].append(list(node.tokens))
-                group["masks"].append(list(node.masked_tokens))
-                group["inference_logprobs"].append(list(node.logprobs))
-        else:
-            reply = await self.server.chat_completion(**kwargs)
-            for choice in reply.choices:
-                text = choice.message.content or ""
-                texts.append(text)
-                out = tokenize_for_trainer(
-                    self.tokenizer,
-                    [*messages, {"role": "assistant", "content": text}],
-                    finish_reason=choice.finish_reason or "",
-                )
-                group["tokens"].append(out["tokens"])
-                group["masks"].append(out["masks"])
-        group["scores"] = [float(s) for s in await self.score_answers(item["prompt"], texts)]
-        group["messages"] = [[*messages, {"role": "assistant", "content": t}] for t in texts]
+        if all(s.logprobs is not None for s in samples):
+            group["inference_logprobs"] = [s.logprobs for s in samples]
         n = len(texts)
         group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
-        self.score_buffer.extend(group["scores"])
+        self.log_train_metric("train/mean_judge_score", group["scores"])
         return group, []
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    async def _eval_one(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A greedy answer to an eval prompt, rated on the rubric and (with a reference)
+        judged against it."""
         cfg = self.config
-        start = time.time()
-        stats = JudgeStats()
-        scale = (cfg.rubric_min, cfg.rubric_max)
-
-        async def one(row: dict[str, Any]) -> dict[str, Any]:
-            reply = await self.server.chat_completion(
-                messages=self._messages(row["prompt"]),
-                n=1,
-                max_tokens=cfg.max_answer_tokens,
-                temperature=0.0,
-                split="eval",
-            )
-            answer = reply.choices[0].message.content or ""
-            rating = await judge_rubric(
-                self.judge, row["prompt"], answer, rubric=cfg.rubric, scale=scale,
-                reference=row.get("reference"), retries=cfg.judge_retries, stats=stats,
+        answer, _ = await eval_completion(
+            self, self._messages(row["prompt"]), cfg.max_answer_tokens, 0.0
+        )
+        rating = await judge_rubric(
+            self.judge, row["prompt"], answer, rubric=cfg.rubric,
+            scale=(cfg.rubric_min, cfg.rubric_max), reference=row.get("reference"),
+            retries=cfg.judge_retries, stats=self._eval_stats,
+        )  # fmt: skip
+        win = None
+        if row.get("reference"):
+            win = await judge_pair(
+                self.judge, row["prompt"], answer, row["reference"],
+                swap=cfg.judge_swap, retries=cfg.judge_retries, stats=self._eval_stats,
             )  # fmt: skip
-            win = None
-            if row.get("reference"):
-                win = await judge_pair(
-                    self.judge, row["prompt"], answer, row["reference"],
-                    swap=cfg.judge_swap, retries=cfg.judge_retries, stats=stats,
-                )  # fmt: skip
-            return {"prompt": row["prompt"], "answer": answer, "rating": rating, "win": win}
+        low, high = cfg.rubric_min, cfg.rubric_max
+        return {
+            "question": row["prompt"],
+            "response": answer,
+            "judge_rating": rating,
+            "win_vs_reference": win,
+            "score": 0.0 if rating is None else 2 * (rating - low) / (high - low) - 1,
+        }
 
-        results = await asyncio.gather(*(one(r) for r in self.eval_rows))
-        low, high = scale
-        norm = [
-            0.0 if r["rating"] is None else 2 * (r["rating"] - low) / (high - low) - 1
-            for r in results
-        ]
-        wins = [r["win"] for r in results if r["win"] is not None]
+    def summarize_eval(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """``eval/mean_rubric_score`` (in [-1, 1]), ``eval/rated_fraction``,
+        ``eval/judge_parse_failure_rate`` and ``eval/win_rate_vs_reference``."""
+        n = max(1, len(samples))
+        wins = [s["win_vs_reference"] for s in samples if s["win_vs_reference"] is not None]
         metrics = {
-            "eval/mean_rubric_score": sum(norm) / len(norm),
-            "eval/rated_fraction": sum(r["rating"] is not None for r in results) / len(results),
-            "eval/judge_parse_failure_rate": stats.as_metrics()["judge/parse_failure_rate"],
+            "eval/mean_rubric_score": sum(s["score"] for s in samples) / n,
+            "eval/rated_fraction": sum(s["judge_rating"] is not None for s in samples) / n,
+            "eval/judge_parse_failure_rate": self._eval_stats.as_metrics()[
+                "judge/parse_failure_rate"
+            ],
         }
         if wins:
             metrics["eval/win_rate_vs_reference"] = sum(wins) / len(wins)
-        samples = [
-            {
-                "question": r["prompt"],
-                "response": r["answer"],
-                "judge_rating": r["rating"],
-                "win_vs_reference": r["win"],
-                "score": s,
-            }
-            for r, s in zip(results, norm, strict=True)
-        ]
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
-            generation_parameters={"temperature": 0.0, "max_tokens": cfg.max_answer_tokens},
-        )
         return metrics
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._eval_stats = JudgeStats()
+        return await self.run_eval(
+            [self._eval_one(row) for row in self.eval_rows],
+            self.summarize_eval,
+            generation_parameters={"temperature": 0.0, "max_tokens": self.config.max_answer_tokens},
+        )
 
     async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
         wandb_metrics = dict(wandb_metrics or {})
-        if self.score_buffer:
-            wandb_metrics["train/mean_judge_score"] = sum(self.score_buffer) / len(
-                self.score_buffer
-            )
-            self.score_buffer = []
         if hasattr(self, "judge_stats"):
             wandb_metrics.update(self.judge_stats.as_metrics())
         await super().wandb_log(wandb_metrics)

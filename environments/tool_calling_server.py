@@ -31,24 +31,15 @@ import asyncio
 import json
 import random
 import re
-import sys
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # environments/
-
-from game_environments.multiturn import ChatSession  # noqa: E402
-
-from atroposlib.envs.base import (  # noqa: E402
-    APIServerConfig,
-    BaseEnv,
-    BaseEnvConfig,
-    ScoredDataGroup,
-)
-from atroposlib.scoring.tools import (  # noqa: E402
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import ChatSession
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
+from atroposlib.scoring.tools import (
     CORPUS,
     ToolRegistry,
     convert_units,
@@ -224,17 +215,7 @@ class ToolCallingEnv(BaseEnv):
             wandb_name="tool_calling",
             ensure_scores_are_not_same=False,
         )
-        servers = [
-            APIServerConfig(
-                model_name="SmolLM2-135M-Instruct",
-                base_url="http://localhost:9001/v1",
-                api_key="x",
-                server_type="vllm",
-                num_requests_for_eval=8,
-                timeout=300,
-            )
-        ]
-        return env_config, servers
+        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         cfg = self.config
@@ -250,7 +231,6 @@ class ToolCallingEnv(BaseEnv):
             self.eval_tasks = [make_task(eval_rng) for _ in range(cfg.num_eval_tasks)]
             self.train_tasks = []
         self.iter = 0
-        self.train_buffer: list[dict[str, float]] = []
 
     async def get_next_item(self) -> dict[str, Any]:
         self.iter += 1
@@ -330,7 +310,8 @@ class ToolCallingEnv(BaseEnv):
         group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
         logprobs = []
         for traj, stats in results:
-            self.train_buffer.append(stats)
+            for key in ("score", "correct", "answered", "calls", "valid_call_rate"):
+                self.log_train_metric(f"train/{key}", stats[key])
             if traj is None:
                 continue
             group["tokens"].append(traj["tokens"])
@@ -347,45 +328,43 @@ class ToolCallingEnv(BaseEnv):
         group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
         return group, []
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        start = time.time()
-        sem = asyncio.Semaphore(max(1, self.server.servers[0].config.num_requests_for_eval))
+    async def _eval_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        """One greedy episode of an eval task: its sample (``messages``, ``score``, stats)."""
+        traj, stats = await self.run_episode(task, 0.0, split="eval")
+        return {
+            "question": task["question"],
+            "gold_answer": str(task["answer"]),
+            "messages": traj["messages"] if traj else None,
+            "score": stats["score"],
+            "correct": bool(stats["correct"]),
+            "answered": stats["answered"],
+            "calls": stats["calls"],
+            "valid_call_rate": stats["valid_call_rate"],
+            "turns": stats["turns"],
+        }
 
-        async def one(task: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, float]]:
-            async with sem:
-                return await self.run_episode(task, 0.0, split="eval")
-
-        results = await asyncio.gather(*(one(t) for t in self.eval_tasks))
-        stats = [s for _, s in results]
-        n = len(stats)
-        with_calls = [s for s in stats if s["calls"]]
-        metrics = {
-            "eval/accuracy": sum(s["correct"] for s in stats) / n,
-            "eval/mean_score": sum(s["score"] for s in stats) / n,
-            "eval/answer_rate": sum(s["answered"] for s in stats) / n,
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """Accuracy, mean score, answer rate, tool use, call validity and turns."""
+        n = max(1, len(samples))
+        with_calls = [s for s in samples if s["calls"]]
+        return {
+            "eval/accuracy": sum(s["correct"] for s in samples) / n,
+            "eval/mean_score": sum(s["score"] for s in samples) / n,
+            "eval/answer_rate": sum(s["answered"] for s in samples) / n,
             "eval/tool_use_rate": len(with_calls) / n,
             "eval/valid_call_rate": (
                 sum(s["valid_call_rate"] for s in with_calls) / len(with_calls)
                 if with_calls
                 else 0.0
             ),
-            "eval/mean_turns": sum(s["turns"] for s in stats) / n,
+            "eval/mean_turns": sum(s["turns"] for s in samples) / n,
         }
-        samples = [
-            {
-                "question": task["question"],
-                "gold_answer": str(task["answer"]),
-                "messages": traj["messages"] if traj else None,
-                "score": s["score"],
-                "correct": bool(s["correct"]),
-            }
-            for task, (traj, s) in zip(self.eval_tasks, results, strict=True)
-        ]
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self._eval_task(task) for task in self.eval_tasks],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": 0.0,
                 "max_tokens": self.config.max_tokens_per_turn,
@@ -393,16 +372,6 @@ class ToolCallingEnv(BaseEnv):
                 "tool_format": self.config.tool_format,
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.train_buffer:
-            n = len(self.train_buffer)
-            for key in ("score", "correct", "answered", "calls", "valid_call_rate"):
-                wandb_metrics[f"train/{key}"] = sum(s[key] for s in self.train_buffer) / n
-            self.train_buffer = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ Differences from upstream, all deliberate:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,7 +56,55 @@ _ALIGN_MAX_MATCH = 256
 # How many whitespace-only tokens may follow the final EOS for the length-truncation drop.
 _MAX_TRAILING_WHITESPACE_TOKENS = 4
 
-__all__ = ["MASK_VALUE", "UNMASKED_ROLES", "tokenize_for_trainer"]
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "MASK_VALUE",
+    "UNMASKED_ROLES",
+    "chat_for_template",
+    "tokenize_for_trainer",
+]
+
+IMAGE_PLACEHOLDER = "<image>"
+"""What ``chat_for_template`` writes in place of an image content part."""
+
+
+def chat_for_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """``messages`` as a plain text chat template renders them: ``{"role", "content"}`` only,
+    ``None`` content as "", content parts joined (each image part as ``\\n<image>\\n``), and
+    an assistant's ``tool_calls`` written after its text as Hermes
+    ``<tool_call>{"name", "arguments"}</tool_call>`` lines.
+
+    This is how a re-tokenized trajectory (a server without token ids) sees a multi-turn,
+    tool-using or multimodal chat; templates that render ``tool_calls`` or images themselves
+    are not relied on."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            pieces = []
+            for part in content:
+                if not isinstance(part, Mapping):
+                    continue
+                if part.get("type") == "text":
+                    pieces.append(part.get("text", ""))
+                elif part.get("type") in ("image_url", "image"):
+                    pieces.append(f"\n{IMAGE_PLACEHOLDER}\n")
+            content = "".join(pieces).strip()
+        content = content or ""
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function", {}) if isinstance(call, Mapping) else {}
+                args = fn.get("arguments", "{}")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    pass
+                body = json.dumps({"name": fn.get("name", ""), "arguments": args})
+                calls.append(f"<tool_call>{body}</tool_call>")
+            content = (content + "\n" if content else "") + "\n".join(calls)
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def _as_token_list(result: Any) -> list[int]:

@@ -20,24 +20,17 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.code import arun_tests, extract_code, humaneval_program, humaneval_tests
 from atroposlib.scoring.sandbox import SandboxLimits
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gsm8k_server import (  # noqa: E402
-    eval_completion,
-    gather_bounded,
-    sample_chat_group,
-    token_server_config,
-)
+from atroposlib.utils.concurrency import gather_bounded
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPT = (
@@ -125,8 +118,6 @@ class CodingEnv(BaseEnv):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.iter = 0
-        self.pass_buffer: list[float] = []
-        self.eval_metrics: list[tuple[str, float]] = []
 
     @classmethod
     def config_init(cls) -> tuple[CodingEnvConfig, list[APIServerConfig]]:
@@ -140,7 +131,7 @@ class CodingEnv(BaseEnv):
             steps_per_eval=100,
             wandb_name="coding",
         )
-        return env_config, token_server_config()
+        return env_config, local_server_configs()
 
     @property
     def limits(self) -> SandboxLimits:
@@ -219,7 +210,7 @@ class CodingEnv(BaseEnv):
         }
         if all(s.logprobs is not None for s in samples):
             group["inference_logprobs"] = [s.logprobs for s in samples]
-        self.pass_buffer.extend(float(r.all_passed) for r in reports)
+        self.log_train_metric("train/pass_rate", [float(r.all_passed) for r in reports])
         if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
             return None, []
         return group, []
@@ -242,39 +233,26 @@ class CodingEnv(BaseEnv):
             "finish_reason": finish,
         }
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        start = time.time()
-        samples = await gather_bounded(
-            [self._eval_one(task) for task in self.test], self.config.max_eval_workers
-        )
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """pass@1 (greedy) and the mean fraction of tests passed."""
         n = max(1, len(samples))
-        metrics = {
+        return {
             "eval/pass@1": sum(s["score"] for s in samples) / n,
             "eval/tests_passed_fraction": sum(s["passed"] / max(1, s["total"]) for s in samples)
             / n,
             "eval/num_items": float(len(samples)),
         }
-        self.eval_metrics.extend(metrics.items())
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self._eval_one(task) for task in self.test],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": self.config.eval_temperature,
                 "max_tokens": self.config.max_token_length,
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.pass_buffer:
-            wandb_metrics["train/pass_rate"] = sum(self.pass_buffer) / len(self.pass_buffer)
-        self.pass_buffer = []
-        wandb_metrics.update(dict(self.eval_metrics))
-        self.eval_metrics = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

@@ -33,37 +33,28 @@ arguments; the function ignores those it does not use).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import string
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gsm8k_server import (  # noqa: E402
-    Sample,
-    eval_completion,
-    gather_bounded,
-    sample_chat_group,
-    token_server_config,
-)
-
-from atroposlib.envs.base import (  # noqa: E402
+from atroposlib.envs.base import (
     APIServerConfig,
     BaseEnv,
     BaseEnvConfig,
     ScoredDataGroup,
 )
-from atroposlib.scoring.rewards import (  # noqa: E402
+from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
+from atroposlib.scoring.rewards import (
     REWARD_FUNCTIONS,
     RewardFn,
     length_penalty_scores,
 )
+from atroposlib.utils.data import load_rows
 
 logger = logging.getLogger(__name__)
 
@@ -147,44 +138,10 @@ def resolve_local_path(path: str | Path) -> Path:
 
 
 def load_local_rows(path: str | Path, split: str) -> list[dict[str, Any]]:
-    """Rows of a local dataset: a ``.jsonl`` file, a ``.json`` file (list of rows or
-    ``{"data": [...]}``), or a folder with ``{split}.jsonl`` / ``{split}.json``.
-
-    A relative path that does not exist from the working directory is also looked up from the
-    repository root (so ``environments/data/gsm8k`` works from anywhere). Raises
-    FileNotFoundError naming the path, ValueError naming the line or the shape problem.
-    """
-    path = resolve_local_path(path)
-    if path.is_dir():
-        candidates = [path / f"{split}.jsonl", path / f"{split}.json"]
-        file = next((c for c in candidates if c.is_file()), candidates[0])
-    else:
-        file = path
-    if not file.is_file():
-        raise FileNotFoundError(f"dataset_path: no such file {file}")
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"dataset_path: {file}: invalid JSON: {exc}") from exc
-        if isinstance(data, dict) and isinstance(data.get("data"), list):
-            data = data["data"]
-        if not isinstance(data, list):
-            raise ValueError(f"dataset_path: {file}: expected a list of rows or {{'data': [...]}}")
-        rows = data
-    else:
-        rows = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"dataset_path: {file} line {number}: {exc}") from exc
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"dataset_path: {file}: row {i + 1} is not an object: {row!r:.80}")
-    return rows
+    """``atroposlib.utils.data.load_rows`` (a ``.jsonl``/``.json`` file or a folder with
+    ``{split}.jsonl``/``{split}.json``) for ``path`` as ``resolve_local_path`` finds it, so
+    ``environments/data/gsm8k`` works from anywhere."""
+    return load_rows(resolve_local_path(path), split)
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -296,8 +253,6 @@ class DatasetEnv(BaseEnv):
         self.train: list[dict[str, Any]] = []
         self.test: list[dict[str, Any]] = []
         self.iter = 0
-        self.score_buffer: list[float] = []
-        self.eval_metrics: list[tuple[str, float]] = []
 
     @classmethod
     def config_init(cls) -> tuple[DatasetEnvConfig, list[APIServerConfig]]:
@@ -314,7 +269,7 @@ class DatasetEnv(BaseEnv):
             dataset_name="gsm8k",
             dataset_config="main",
         )
-        return env_config, token_server_config()
+        return env_config, local_server_configs()
 
     # ------------------------------------------------------------------ data
 
@@ -431,7 +386,7 @@ class DatasetEnv(BaseEnv):
             return None
         if len(group["inference_logprobs"]) != len(group["tokens"]):
             del group["inference_logprobs"]
-        self.score_buffer.extend(group["scores"])
+        self.log_train_metric("train/mean_score", group["scores"])
         top = self.max_reward
         if self.config.length_penalty and top > 0 and all(s >= top for s in group["scores"]):
             factors = length_penalty_scores(
@@ -480,18 +435,9 @@ class DatasetEnv(BaseEnv):
             "finish_reason": finish,
         }
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def summarize_eval(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Mean weighted score, the share the first reward function accepts
         (``eval/percent_correct``) and each function's mean (``eval/reward/<name>``)."""
-        if not self.test:
-            logger.warning("evaluate: no eval data (set eval_dataset_path or eval_dataset_name)")
-            return {}
-        start = time.time()
-        samples = await gather_bounded(
-            [self.rollout_and_score_eval(row) for row in self.test],
-            self.config.max_eval_workers,
-            desc="eval",
-        )
         n = max(1, len(samples))
         metrics = {
             "eval/mean_score": sum(s["score"] for s in samples) / n,
@@ -500,27 +446,21 @@ class DatasetEnv(BaseEnv):
         }
         for name, *_ in self.rewards:
             metrics[f"eval/reward/{name}"] = sum(s["rewards"][name] for s in samples) / n
-        self.eval_metrics.extend(metrics.items())
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+        return metrics
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Answer every eval row (see ``summarize_eval`` for the metrics)."""
+        if not self.test:
+            logger.warning("evaluate: no eval data (set eval_dataset_path or eval_dataset_name)")
+            return {}
+        return await self.run_eval(
+            [self.rollout_and_score_eval(row) for row in self.test],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": self.config.eval_temperature,
                 "max_tokens": self._max_tokens(),
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.score_buffer:
-            wandb_metrics["train/mean_score"] = sum(self.score_buffer) / len(self.score_buffer)
-        self.score_buffer = []
-        wandb_metrics.update(dict(self.eval_metrics))
-        self.eval_metrics = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

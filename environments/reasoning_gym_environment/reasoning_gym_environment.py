@@ -29,29 +29,14 @@ import difflib
 import logging
 import random
 import re
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gsm8k_server import (  # noqa: E402
-    Sample,
-    eval_completion,
-    gather_bounded,
-    sample_chat_group,
-    token_server_config,
-)
-
-from atroposlib.envs.base import (  # noqa: E402
-    APIServerConfig,
-    BaseEnv,
-    BaseEnvConfig,
-    ScoredDataGroup,
-)
-from atroposlib.scoring.math import extract_boxed, strip_think  # noqa: E402
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
+from atroposlib.scoring.math import extract_boxed, strip_think
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +191,6 @@ class ReasoningGymEnv(BaseEnv):
         self.iter = 0
         self.rng = random.Random(self.config.seed)
         self.test: list[tuple[dict[str, Any], Any]] = []
-        self.percent_correct_buffer: list[float] = []
-        self.eval_metrics: list[tuple[str, float]] = []
 
     @classmethod
     def config_init(cls) -> tuple[ReasoningGymEnvConfig, list[APIServerConfig]]:
@@ -222,7 +205,7 @@ class ReasoningGymEnv(BaseEnv):
             max_token_length=1024,
             wandb_name="reasoning_gym",
         )
-        return env_config, token_server_config()
+        return env_config, local_server_configs()
 
     # ------------------------------------------------------------------ data
 
@@ -298,7 +281,9 @@ class ReasoningGymEnv(BaseEnv):
             return None
         if len(group["inference_logprobs"]) != len(group["tokens"]):
             del group["inference_logprobs"]
-        self.percent_correct_buffer.extend(1.0 if s >= 0.5 else 0.0 for s in group["scores"])
+        self.log_train_metric(
+            "train/percent_correct", [1.0 if s >= 0.5 else 0.0 for s in group["scores"]]
+        )
         if all(s >= 0.5 for s in group["scores"]):
             max_len = self.config.max_token_length
             cut = max_len * self.config.length_penalty_threshold
@@ -345,16 +330,10 @@ class ReasoningGymEnv(BaseEnv):
             "finish_reason": finish,
         }
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def summarize_eval(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Mean task score (``eval/percent_correct``, upstream's key), share of answers at least
         0.5, share with an extractable answer, share using ``<answer>`` tags, and the mean
         score per task."""
-        start = time.time()
-        samples = await gather_bounded(
-            [self.rollout_and_score_eval(entry, ds) for entry, ds in self.test],
-            self.config.max_eval_workers,
-            desc="eval",
-        )
         n = max(1, len(samples))
         metrics = {
             "eval/percent_correct": sum(s["score"] for s in samples) / n,
@@ -371,29 +350,17 @@ class ReasoningGymEnv(BaseEnv):
             scores = [s["score"] for s in samples if s["task"] == task]
             if scores:
                 metrics[f"eval/{task}/score"] = sum(scores) / len(scores)
-        self.eval_metrics.extend(metrics.items())
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+        return metrics
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self.rollout_and_score_eval(entry, ds) for entry, ds in self.test],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": self.config.eval_temperature,
                 "max_tokens": self.config.max_token_length,
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.percent_correct_buffer:
-            wandb_metrics["train/percent_correct"] = sum(self.percent_correct_buffer) / len(
-                self.percent_correct_buffer
-            )
-        self.percent_correct_buffer = []
-        wandb_metrics.update(dict(self.eval_metrics))
-        self.eval_metrics = []
-        await super().wandb_log(wandb_metrics)
 
 
 if __name__ == "__main__":

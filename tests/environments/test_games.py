@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from atroposlib.envs.text_game_env import parse_action
 from tests.conftest import REPO
 from tests.environments.test_gsm8k import assert_valid_groups, run_process
 
@@ -17,7 +18,6 @@ from game_environments.gymnasium.blackjack.blackjack_env import (  # noqa: E402
     BlackjackGame,
 )
 from game_environments.gymnasium.gym_taxi import ACTIONS, TaxiGame  # noqa: E402
-from game_environments.text_game import parse_action  # noqa: E402
 from game_environments.textworld_env.textworld_env import TextWorldGame  # noqa: E402
 
 

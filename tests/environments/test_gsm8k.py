@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.rollout import Sample
+from atroposlib.utils.data import load_rows
 from environments.gsm8k_server import BUNDLED_GSM8K as GSM8K
-from environments.gsm8k_server import GSM8kEnv, Sample, load_rows
+from environments.gsm8k_server import GSM8kEnv
 from tests.conftest import REPO
 
 

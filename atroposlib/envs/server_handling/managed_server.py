@@ -565,6 +565,101 @@ class DummyManagedServer:
         )
 
 
+def reply_message(choice: Any) -> dict[str, Any]:
+    """The assistant message of an OpenAI ``Choice`` as a chat dict: ``content`` ("" when
+    empty, None when the turn is only tool calls) and ``tool_calls`` as plain dicts."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.message.content or ""}
+    tool_calls = getattr(choice.message, "tool_calls", None)
+    if tool_calls:
+        message["tool_calls"] = [
+            tc.model_dump() if hasattr(tc, "model_dump") else dict(tc) for tc in tool_calls
+        ]
+        if not choice.message.content:
+            message["content"] = None
+    return message
+
+
+class RetokenizingManagedServer:
+    """A managed session for servers that return no token ids (plain OpenAI endpoints), or
+    for prompts a text chat template cannot render exactly (image content parts).
+
+    Requests go to ``server`` as they are (usually the ``ServerManager``, so routing and the
+    splitting of large ``n`` are unchanged); each reply becomes a ``SequenceNode`` whose
+    ``tokens``/``masked_tokens`` come from ``tokenize_for_trainer`` over the chat (rendered
+    with ``chat_for_template``). Logprobs are unknown: ``provides_logprobs`` is False and
+    ``logprobs`` is empty; ``metadata["retokenized"]`` is True.
+
+    As with ``ManagedServer``, a request whose messages continue an earlier node's chat
+    *extends* it (the first choice replaces the node): the new node then trains on every
+    assistant turn of the chat (``train_on_all_assistant_turns``), a fresh one only on its
+    last turn (so few-shot examples in the prompt are not trained on).
+    """
+
+    provides_logprobs = False
+
+    def __init__(self, server: Any, tokenizer: Any) -> None:
+        """
+        Args:
+            server: Anything with an async ``chat_completion(**kwargs)`` returning an OpenAI
+                ``ChatCompletion`` (a ``ServerManager`` or one ``APIServer``).
+            tokenizer: The HF tokenizer of the trained model (required).
+        """
+        if tokenizer is None:
+            raise ValueError("re-tokenizing a chat needs the model's tokenizer")
+        self.server = server
+        self.tokenizer = tokenizer
+        self.current_nodes: list[SequenceNode] = []
+        self._chats: list[list[dict[str, str]]] = []  # the chat of each node, rendered
+
+    def _extended(self, chat: list[dict[str, str]]) -> int | None:
+        """Index of the node whose chat is the longest prefix of ``chat``, or None."""
+        best, best_len = None, 0
+        for i, known in enumerate(self._chats):
+            if best_len < len(known) <= len(chat) and chat[: len(known)] == known:
+                best, best_len = i, len(known)
+        return best
+
+    async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
+        """The server's chat completion; one re-tokenized node per choice."""
+        from atroposlib.utils.tokenize_for_trainer import chat_for_template, tokenize_for_trainer
+
+        response = await self.server.chat_completion(**kwargs)
+        prompt = chat_for_template(kwargs.get("messages", []))
+        extended = self._extended(prompt)
+        for i, choice in enumerate(response.choices):
+            chat = [*prompt, *chat_for_template([reply_message(choice)])]
+            reason = choice.finish_reason or ""
+            out = tokenize_for_trainer(
+                self.tokenizer,
+                chat,
+                train_on_all_assistant_turns=extended is not None,
+                finish_reason=reason,
+            )
+            node = SequenceNode(
+                full_text="".join(f"{m['role']}: {m['content']}\n" for m in chat),
+                tokens=out["tokens"],
+                masked_tokens=out["masks"],
+                logprobs=[],
+                metadata={"finish_reason": reason or "stop", "retokenized": True},
+            )
+            if i == 0 and extended is not None:
+                self.current_nodes[extended] = node
+                self._chats[extended] = chat
+            else:
+                self.current_nodes.append(node)
+                self._chats.append(chat)
+        return response
+
+    def get_state(self) -> dict[str, Any]:
+        """``{"nodes": [...]}`` as ``ManagedServer.get_state`` (a copy)."""
+        return {"nodes": list(self.current_nodes)}
+
+    def reset(self) -> None:
+        """Forget all tracked nodes."""
+        self.current_nodes.clear()
+        self._chats.clear()
+
+
 class ManagedServerAdapter:
     """Makes a ``ManagedServer`` look like ``openai.AsyncOpenAI`` for libraries that take a
     client: ``client.chat.completions.create()``, ``client.completions.create()`` and

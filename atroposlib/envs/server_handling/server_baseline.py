@@ -259,6 +259,26 @@ class APIServerConfig(ServerBaseline):
     )
 
 
+LOCAL_SERVER_DEFAULTS: dict[str, Any] = {
+    "model_name": "SmolLM2-135M-Instruct",
+    "base_url": "http://localhost:9001/v1",
+    "api_key": "x",
+    "server_type": "vllm",
+    "num_requests_for_eval": 32,
+    "timeout": 600,
+}
+"""The server the bundled environments default to: the embedded ``atropos-serve --port 9001``
+(SmolLM2-135M-Instruct, which speaks vLLM's ``/generate``, so tokens and logprobs are exact)."""
+
+
+def local_server_configs(**overrides: Any) -> list[APIServerConfig]:
+    """The default server list of a bundled environment's ``config_init``: one
+    ``APIServerConfig`` for the local ``atropos-serve`` (``LOCAL_SERVER_DEFAULTS``) with
+    ``overrides`` laid over it, e.g. ``local_server_configs(num_requests_for_eval=8,
+    timeout=300)``. Command-line ``--openai.*`` flags still override the result."""
+    return [APIServerConfig(**{**LOCAL_SERVER_DEFAULTS, **overrides})]
+
+
 def server_root(base_url: str) -> str:
     """``http://host:port/v1`` -> ``http://host:port`` (only a trailing ``/v1`` is removed)."""
     root = base_url.rstrip("/")

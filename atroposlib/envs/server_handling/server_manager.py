@@ -16,13 +16,17 @@ import warnings
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from openai.types.chat.chat_completion import ChatCompletion
 from openai.types.completion import Completion
 from pydantic import BaseModel, Field
 
-from atroposlib.envs.server_handling.managed_server import DummyManagedServer, ManagedServer
+from atroposlib.envs.server_handling.managed_server import (
+    DummyManagedServer,
+    ManagedServer,
+    RetokenizingManagedServer,
+)
 from atroposlib.envs.server_handling.openai_server import OpenAIServer, merge_choices
 from atroposlib.envs.server_handling.server_baseline import (
     APIServer,
@@ -361,6 +365,9 @@ class ServerManager:
         base_url: str | None = None,
         preserve_think_blocks: bool = False,
         session_id: str | None = None,
+        *,
+        tool_parser: str | None = None,
+        tokens: Literal["server", "auto", "local"] = "server",
     ) -> AsyncIterator[Any]:
         """A ``ManagedServer`` session, reset on exit.
 
@@ -368,11 +375,26 @@ class ServerManager:
         most available server otherwise), or a stable pick for ``session_id`` (the same id
         maps to the same server while the healthy set is unchanged), or the most available.
 
-        Plain OpenAI endpoints give no token ids: this raises ``NotImplementedError`` unless
-        ``ATROPOS_ALLOW_DUMMY_MANAGED_SERVER`` is 1/true/yes, which yields a
-        ``DummyManagedServer`` with placeholder tokens (not for training). With a proxy
-        configured, the session is created on the proxy instead.
+        ``tool_parser`` (e.g. ``"hermes"``) parses ``tools`` calls in this session only; it
+        defaults to the manager's ``tool_parser``.
+
+        ``tokens`` says where the session's token ids come from:
+
+        * ``"server"`` (upstream's behaviour): from the server. Plain OpenAI endpoints give
+          none: this raises ``NotImplementedError`` unless
+          ``ATROPOS_ALLOW_DUMMY_MANAGED_SERVER`` is 1/true/yes, which yields a
+          ``DummyManagedServer`` with placeholder tokens (not for training).
+        * ``"auto"``: from the server when it provides them, else a
+          ``RetokenizingManagedServer`` (the chat re-tokenized locally with ``tokenizer``,
+          no logprobs): one code path for token servers and OpenAI endpoints.
+        * ``"local"``: always re-tokenized locally (prompts a text chat template cannot
+          render exactly, such as image content parts).
+
+        With a proxy configured, the session is created on the proxy instead.
         """
+        if tokens not in ("server", "auto", "local"):
+            raise ValueError(f"tokens must be 'server', 'auto' or 'local', got {tokens!r}")
+        parser = tool_parser if tool_parser is not None else getattr(self, "tool_parser", None)
         if getattr(self, "use_proxy", False):
             if not self.proxy_url:
                 raise ValueError("use_proxy=True requires proxy_url or ATROPOS_PROXY_URL")
@@ -382,7 +404,7 @@ class ServerManager:
             session = await create_proxy_session(
                 proxy_url=self.proxy_url,
                 base_url=base_url,
-                tool_parser=getattr(self, "tool_parser", None) or "hermes",
+                tool_parser=parser or "hermes",
                 model_name=model_name,
             )
             try:
@@ -392,7 +414,10 @@ class ServerManager:
             return
 
         server = self._select_for_session(base_url, session_id)
-        if not getattr(server, "provides_token_logprobs", True):
+        provides_tokens = getattr(server, "provides_token_logprobs", True)
+        if tokens == "local" or (tokens == "auto" and not provides_tokens):
+            managed: Any = RetokenizingManagedServer(server=self, tokenizer=tokenizer)
+        elif not provides_tokens:
             allow = os.environ.get("ATROPOS_ALLOW_DUMMY_MANAGED_SERVER", "").lower()
             if allow not in ("1", "true", "yes"):
                 raise NotImplementedError(
@@ -405,12 +430,12 @@ class ServerManager:
                 "placeholders and NOT suitable for training.",
                 stacklevel=3,
             )
-            managed: Any = DummyManagedServer(server=server, tokenizer=tokenizer)
+            managed = DummyManagedServer(server=server, tokenizer=tokenizer)
         else:
             managed = ManagedServer(
                 server=server,
                 tokenizer=tokenizer,
-                tool_parser=getattr(self, "tool_parser", None),
+                tool_parser=parser,
                 preserve_think_blocks=preserve_think_blocks,
             )
         try:

@@ -16,14 +16,11 @@ fewest possible, floored at 0.5), 0.0 for picking the passenger up without deliv
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # environments/
+import gymnasium as gym
 
-import gymnasium as gym  # noqa: E402
-from game_environments.text_game import TextGame, TextGameEnv, TextGameEnvConfig  # noqa: E402
+from atroposlib.envs.text_game_env import TextGame, TextGameEnv, TextGameEnvConfig
 
 LOCATIONS = ["R", "G", "Y", "B"]
 ACTIONS = {"south": 0, "north": 1, "east": 2, "west": 3, "pickup": 4, "dropoff": 5}

@@ -16,15 +16,13 @@ else ``2 * score / max_score - 1`` (progress through the quest), -1.0 when lost;
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # environments/
+import textworld
+from pydantic import Field
 
-import textworld  # noqa: E402
-from game_environments.text_game import TextGame, TextGameEnv, TextGameEnvConfig  # noqa: E402
-from pydantic import Field  # noqa: E402
+from atroposlib.envs.text_game_env import TextGame, TextGameEnv, TextGameEnvConfig
 
 DEFAULT_GAMES_DIR = Path.home() / ".cache" / "atroposlib" / "textworld"
 _INFOS = textworld.EnvInfos(

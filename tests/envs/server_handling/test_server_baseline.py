@@ -12,9 +12,11 @@ from fastapi.responses import JSONResponse
 
 from atroposlib.envs.server_handling.openai_server import OpenAIServer
 from atroposlib.envs.server_handling.server_baseline import (
+    LOCAL_SERVER_DEFAULTS,
     APIServerConfig,
     AsyncSemWithAdaptiveWeight,
     ReasoningConfig,
+    local_server_configs,
     server_root,
 )
 from tests.envs.server_handling.conftest import engine_requests, serve_app
@@ -76,6 +78,19 @@ def test_inject_reasoning_kwargs() -> None:
         "max_tokens": 3,
         "extra_body": {"reasoning": {"enabled": True}},
     }
+
+
+def test_local_server_configs_defaults_and_overrides() -> None:
+    (config,) = local_server_configs()
+    assert config.base_url == "http://localhost:9001/v1"  # the embedded atropos-serve
+    assert (config.server_type, config.model_name) == ("vllm", "SmolLM2-135M-Instruct")
+    assert (config.num_requests_for_eval, config.timeout) == (32, 600)
+    (tuned,) = local_server_configs(num_requests_for_eval=8, timeout=300)
+    assert (tuned.num_requests_for_eval, tuned.timeout) == (8, 300)
+    assert tuned.base_url == config.base_url
+    assert LOCAL_SERVER_DEFAULTS["timeout"] == 600  # the defaults are not changed by a call
+    with pytest.raises(ValueError):
+        local_server_configs(server_type="tgi")
 
 
 def test_server_root_only_strips_trailing_v1() -> None:

@@ -15,15 +15,12 @@ Reward per trajectory: the game's outcome, +1 win, 0 draw, -1 loss (+1.5 for a n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # environments/
+import gymnasium as gym
+from pydantic import Field
 
-import gymnasium as gym  # noqa: E402
-from game_environments.text_game import TextGame, TextGameEnv, TextGameEnvConfig  # noqa: E402
-from pydantic import Field  # noqa: E402
+from atroposlib.envs.text_game_env import TextGame, TextGameEnv, TextGameEnvConfig
 
 ACTIONS = {"stick": 0, "stand": 0, "hit": 1}
 

@@ -5,15 +5,17 @@ model's reply, step, score). ``TextGameEnv`` does the rest:
 
 * each item is a game seed; the ``group_size`` trajectories of a group all play that seed
   (same deal, same map), so their scores are comparable;
-* each trajectory is one ``ChatSession``: observation -> model turn -> action -> next
-  observation ..., up to ``max_turns`` actions or the context budget, with ManagedServer
-  masks on every assistant turn (see ``multiturn.py``);
+* each trajectory is one ``ChatSession`` (``atroposlib.envs.rollout``): observation -> model
+  turn -> action -> next observation ..., up to ``max_turns`` actions or the context budget,
+  with every assistant turn trained on;
 * ``evaluate()`` plays ``num_eval_games`` fixed seeds at temperature 0 and reports
   ``eval/success_rate``, ``eval/mean_score``, ``eval/mean_turns`` and
   ``eval/invalid_action_rate``.
 
 Actions are read from ``Action: <name>`` (the last one in the reply) or a reply that is just
 an action name; anything else is an invalid action, which the game penalises.
+
+The bundled games (``environments/game_environments``: Taxi, Blackjack, TextWorld) build on it.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-
-from .multiturn import ChatSession
+from atroposlib.envs.rollout import ChatSession
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
 __all__ = ["TextGame", "TextGameEnv", "TextGameEnvConfig", "parse_action"]
 
@@ -131,24 +132,13 @@ class TextGameEnv(BaseEnv, ABC):
             **overrides,
         }
         env_config = cls.env_config_cls(**values)
-        servers = [
-            APIServerConfig(
-                model_name="SmolLM2-135M-Instruct",
-                base_url="http://localhost:9001/v1",
-                api_key="x",
-                server_type="vllm",
-                num_requests_for_eval=8,
-                timeout=300,
-            )
-        ]
-        return env_config, servers
+        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)
         self.eval_seeds = [
             1_000_000 + self.config.seed * 1000 + i for i in range(self.config.num_eval_games)
         ]
-        self.train_buffer: list[dict[str, float]] = []
 
     async def get_next_item(self) -> dict[str, Any]:
         return {"seed": self.rng.randrange(2**31)}
@@ -218,7 +208,8 @@ class TextGameEnv(BaseEnv, ABC):
         group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
         logprobs: list[list[float]] = []
         for traj, stats in results:
-            self.train_buffer.append(stats)
+            for key in ("score", "success", "turns", "invalid_rate"):
+                self.log_train_metric(f"train/{key}", stats[key])
             if traj is None:
                 continue
             group["tokens"].append(traj["tokens"])
@@ -238,51 +229,36 @@ class TextGameEnv(BaseEnv, ABC):
         )
         return group, []
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        start = time.time()
-        sem = asyncio.Semaphore(max(1, self.server.servers[0].config.num_requests_for_eval))
-
-        async def one(seed: int) -> tuple[dict[str, Any] | None, dict[str, float]]:
-            async with sem:
-                return await self.play(seed, 0.0, split="eval")
-
-        results = await asyncio.gather(*(one(s) for s in self.eval_seeds))
-        stats = [s for _, s in results]
-        n = len(stats)
-        metrics = {
-            "eval/success_rate": sum(s["success"] for s in stats) / n,
-            "eval/mean_score": sum(s["score"] for s in stats) / n,
-            "eval/mean_turns": sum(s["turns"] for s in stats) / n,
-            "eval/invalid_action_rate": sum(s["invalid_rate"] for s in stats) / n,
+    async def _eval_game(self, seed: int) -> dict[str, Any]:
+        """One greedy evaluation game: its sample (``messages``, ``score``, ``correct``, stats)."""
+        traj, stats = await self.play(seed, 0.0, split="eval")
+        return {
+            "seed": seed,
+            "messages": traj["messages"] if traj else None,
+            "score": stats["score"],
+            "correct": bool(stats["success"]),
+            "turns": stats["turns"],
+            "invalid_rate": stats["invalid_rate"],
         }
-        samples = [
-            {
-                "seed": seed,
-                "messages": traj["messages"] if traj else None,
-                "score": s["score"],
-                "correct": bool(s["success"]),
-                "turns": s["turns"],
-            }
-            for seed, (traj, s) in zip(self.eval_seeds, results, strict=True)
-        ]
-        await self.evaluate_log(
-            metrics,
-            samples=samples,
-            start_time=start,
-            end_time=time.time(),
+
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """The evaluation metrics of the played games."""
+        n = max(1, len(samples))
+        return {
+            "eval/success_rate": sum(s["correct"] for s in samples) / n,
+            "eval/mean_score": sum(s["score"] for s in samples) / n,
+            "eval/mean_turns": sum(s["turns"] for s in samples) / n,
+            "eval/invalid_action_rate": sum(s["invalid_rate"] for s in samples) / n,
+        }
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self._eval_game(seed) for seed in self.eval_seeds],
+            self.summarize_eval,
             generation_parameters={
                 "temperature": 0.0,
                 "max_tokens": self.config.max_tokens_per_turn,
                 "max_turns": self.config.max_turns,
             },
         )
-        return metrics
-
-    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
-        wandb_metrics = dict(wandb_metrics or {})
-        if self.train_buffer:
-            n = len(self.train_buffer)
-            for key in ("score", "success", "turns", "invalid_rate"):
-                wandb_metrics[f"train/{key}"] = sum(s[key] for s in self.train_buffer) / n
-            self.train_buffer = []
-        await super().wandb_log(wandb_metrics)

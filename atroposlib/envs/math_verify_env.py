@@ -1,0 +1,300 @@
+"""``MathVerifyEnv``: math word problems graded with ``math-verify`` (GSM8K, MATH...).
+
+Reward (as upstream's ``gsm8k_server``): +1 when the ``\\boxed{}`` answer after ``</think>``
+equals the gold answer (math-verify), -1 otherwise; when a whole group is correct, a length
+penalty scales scores down linearly above 50% of ``max_token_length``. Completions with fewer
+than ``min_completion_tokens`` trainable tokens are dropped. Groups whose scores are all equal
+are dropped only when ``ensure_scores_are_not_same`` is on. ``format_reward`` / ``box_reward``
+add credit for a well-formed final answer.
+
+A subclass says where the rows come from (``load_split``: ``[{"question", "answer"}]``) and
+what the gold answer of a row is (``gold_for``); it may show worked examples
+(``worked_examples`` / ``worked_answer``). The bundled ``environments/gsm8k_server.py`` and
+``environments/math_server.py`` are such subclasses.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pydantic import Field
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
+from atroposlib.scoring import math as math_scoring
+from atroposlib.scoring.rewards import length_penalty_scores
+
+__all__ = ["SYSTEM_PROMPT", "MathVerifyEnv", "MathVerifyEnvConfig"]
+
+SYSTEM_PROMPT = (
+    "You are a deep thinking AI, you may use extremely long chains of thought "
+    "to deeply consider the problem and deliberate with yourself via systematic "
+    "reasoning processes to help come to a correct solution prior to answering. "
+    "You should enclose your thoughts and internal monologue inside <think> </think> "
+    "tags, and then provide your solution or response to the problem.\n\n"
+    "You will then provide your answer like this: \\boxed{your answer here}\n"
+    "It is important that you provide your answer in the correct format.\n"
+    "If you do not, you will not receive credit for your answer.\n"
+    "So please end your answer with \\boxed{your answer here}"
+)
+"""Upstream's GSM8K system prompt."""
+
+
+class MathVerifyEnvConfig(BaseEnvConfig):
+    """Settings of the math-verify environments."""
+
+    dataset_path: str | None = Field(
+        default=None,
+        description="Local data: a folder with train.jsonl/test.jsonl or one JSONL file",
+    )
+    max_eval_items: int = Field(
+        default=-1, description="Evaluate on the first N test rows (-1: all of them)"
+    )
+    temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature (train)")
+    eval_temperature: float = Field(
+        default=0.0, ge=0.0, description="Sampling temperature for evaluate()"
+    )
+    min_completion_tokens: int = Field(
+        default=10, ge=0, description="Drop completions with fewer trainable tokens (upstream: 10)"
+    )
+    length_penalty: bool = Field(
+        default=True, description="Penalise long answers when the whole group is correct"
+    )
+    system_prompt: str = Field(
+        default=SYSTEM_PROMPT, description="System prompt ('' sends no system message)"
+    )
+    prompt_suffix: str = Field(
+        default="",
+        description="Appended to every question in the user turn, e.g. a format instruction "
+        "('\\n\\nWrite the final answer as \\boxed{N}.')",
+    )
+    max_answer_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generation budget per reply (tokens); default: max_token_length (upstream)",
+    )
+    format_reward: float = Field(
+        default=0.0,
+        description="Added to the score of a reply whose final answer is well formed, right or "
+        "wrong: it ended within the budget with exactly one \\boxed{}, holding a number",
+    )
+    box_reward: float = Field(
+        default=0.0,
+        description="Added to the score of a reply that ended within the budget with exactly one "
+        "complete \\boxed{...} holding a digit, number or not (a first step toward "
+        "format_reward's well-formed answer; \\boxed{N} copied from an instruction earns none)",
+    )
+    format_min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="format_reward and box_reward only for replies of at least this many "
+        "tokens: a bare \\boxed{} guess without the working earns no format credit",
+    )
+    few_shot: int = Field(
+        default=0,
+        ge=0,
+        le=8,
+        description="Worked examples shown before each question as earlier chat turns: the "
+        "shortest solutions of the train split, ending in \\boxed{N} (never asked themselves)",
+    )
+    seed: int = Field(default=42, description="Shuffle seed of the training set")
+
+
+class MathVerifyEnv(BaseEnv):
+    """Math problems with math-verify rewards (+1 / -1, length penalty when all are right)."""
+
+    env_config_cls = MathVerifyEnvConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.iter = 0
+        self.examples: list[dict[str, Any]] = []
+
+    @classmethod
+    def default_configs(cls, wandb_name: str) -> tuple[MathVerifyEnvConfig, list[APIServerConfig]]:
+        """Upstream's GSM8K defaults, against the embedded server (``atropos-serve``)."""
+        env_config = cls.env_config_cls(
+            tokenizer_name="SmolLM2-135M-Instruct",
+            group_size=8,
+            use_wandb=True,
+            rollout_server_url="http://localhost:8000",
+            total_steps=1000,
+            batch_size=12,
+            steps_per_eval=100,
+            max_token_length=2048,
+            wandb_name=wandb_name,
+        )
+        return env_config, local_server_configs()
+
+    # ------------------------------------------------------------------ data
+
+    def load_split(self, split: str) -> list[dict[str, Any]]:
+        """``[{"question", "answer", ...}]`` for ``train`` or ``test``."""
+        raise NotImplementedError
+
+    def gold_for(self, item: dict[str, Any]) -> str:
+        """The gold answer of a row (what math-verify compares the reply with)."""
+        raise NotImplementedError
+
+    def worked_examples(self, train: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Training rows shown as worked examples before every question (never asked);
+        none by default."""
+        return []
+
+    def worked_answer(self, row: dict[str, Any]) -> str:
+        """The assistant turn of a worked example."""
+        raise NotImplementedError
+
+    async def setup(self) -> None:
+        self.train = self.load_split("train")
+        # worked examples: the same for every seed, so evaluations stay comparable
+        self.examples = self.worked_examples(self.train)
+        shown = {row["question"] for row in self.examples}
+        self.train = [row for row in self.train if row["question"] not in shown]
+        random.Random(self.config.seed).shuffle(self.train)
+        test = self.load_split("test")
+        if self.config.max_eval_items >= 0:
+            test = test[: self.config.max_eval_items]
+        self.test = [
+            {"question": row["question"], "gold_answer": self.gold_for(row)} for row in test
+        ]
+        self.iter = 0
+
+    async def get_next_item(self) -> dict[str, Any]:
+        row = self.train[self.iter % len(self.train)]
+        self.iter += 1
+        return row
+
+    def save_checkpoint(self, step: int, data: dict[str, Any] | None = None) -> None:
+        data = dict(data or {})
+        data["iter"] = self.iter
+        super().save_checkpoint(step, data)
+
+    @property
+    def budget(self) -> int:
+        """Tokens a reply may have."""
+        return self.config.max_answer_tokens or self.config.max_token_length
+
+    def messages_for(self, question: str) -> list[dict[str, str]]:
+        """The chat sent to the model: system prompt, worked examples, the question (with
+        ``prompt_suffix``)."""
+        messages = []
+        if self.config.system_prompt:
+            messages.append({"role": "system", "content": self.config.system_prompt})
+        suffix = self.config.prompt_suffix
+        for row in self.examples:
+            messages.append({"role": "user", "content": row["question"] + suffix})
+            messages.append({"role": "assistant", "content": self.worked_answer(row)})
+        messages.append({"role": "user", "content": question + suffix})
+        return messages
+
+    # ------------------------------------------------------------------ rollouts
+
+    async def collect_trajectories(
+        self, item: dict[str, Any]
+    ) -> tuple[ScoredDataGroup | None, list]:
+        samples = await sample_chat_group(
+            self,
+            self.messages_for(item["question"]),
+            n=self.config.group_size,
+            max_tokens=self.budget,
+            temperature=self.config.temperature,
+        )
+        return self.score_samples(samples, self.gold_for(item)), []
+
+    def score_samples(self, samples: list[Sample], gold: str) -> ScoredDataGroup | None:
+        """Upstream's GSM8K scoring of one group; None when nothing is left to train on."""
+        gold_parsed = math_scoring.parse_gold(gold)
+        if not gold_parsed:
+            return None  # an unparseable gold answer teaches nothing
+        group: ScoredDataGroup = {
+            "tokens": [],
+            "masks": [],
+            "scores": [],
+            "messages": [],
+            "inference_logprobs": [],
+        }
+        for sample in samples:
+            if sample.trainable_tokens < self.config.min_completion_tokens:
+                continue
+            parsed = math_scoring.parse_response(sample.text)
+            correct = math_scoring.verify_answer(parsed, gold_parsed)
+            group["tokens"].append(sample.tokens)
+            group["masks"].append(sample.masks)
+            group["messages"].append(sample.messages)
+            if sample.logprobs is not None:
+                group["inference_logprobs"].append(sample.logprobs)
+            score = 1.0 if correct else -1.0
+            # format credit: a finished reply of enough tokens with exactly one box
+            box = math_scoring.final_box(sample.text, sample.finish_reason)
+            if box is not None and sample.trainable_tokens >= self.config.format_min_tokens:
+                if math_scoring.number_in_box(box) is not None:
+                    score += self.config.format_reward
+                if any(c.isdigit() for c in box):
+                    score += self.config.box_reward
+            group["scores"].append(score)
+        if not group["tokens"]:
+            return None
+        if len(group["inference_logprobs"]) != len(group["tokens"]):
+            del group["inference_logprobs"]
+        best = 1.0 + self.config.format_reward + self.config.box_reward
+        self.log_train_metric(
+            "train/percent_correct", [1.0 if s == best else 0.0 for s in group["scores"]]
+        )
+        if self.config.length_penalty and all(s == best for s in group["scores"]):
+            group["scores"] = length_penalty_scores(
+                [len(t) for t in group["tokens"]], self.config.max_token_length
+            )
+        # a group whose scores are all equal is dropped (and counted) by BaseEnv when
+        # ensure_scores_are_not_same is on
+        if len(group["tokens"]) != self.config.group_size:
+            group["group_overrides"] = {"group_size": len(group["tokens"])}
+        # the trainer scales its logits by the temperature the samples were drawn at
+        group["generation_params"] = {"temperature": self.config.temperature}
+        return group
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def rollout_and_score_eval(self, question: str, gold: str) -> dict[str, Any]:
+        """One greedy answer to a test question, scored 1/0."""
+        messages = self.messages_for(question)
+        text, finish = await eval_completion(
+            self, messages, self.budget, self.config.eval_temperature
+        )
+        parsed = math_scoring.parse_response(text)
+        correct = math_scoring.verify_answer(parsed, math_scoring.parse_gold(gold))
+        return {
+            "messages": [*messages, {"role": "assistant", "content": text}],
+            "question": question,
+            "gold_answer": gold,
+            "model_parsed": str(parsed) if parsed else None,
+            "boxed_number": math_scoring.final_boxed_number(text, finish),
+            "score": int(correct),
+            "correct": correct,
+            "finish_reason": finish,
+        }
+
+    @staticmethod
+    def summarize_eval(samples: list[dict[str, Any]]) -> dict[str, float]:
+        """The evaluation metrics of the scored test answers."""
+        n = max(1, len(samples))
+        return {
+            "eval/percent_correct": sum(s["score"] for s in samples) / n,
+            "eval/num_items": float(len(samples)),
+            # well-formed final answers: the reply ended within the budget with exactly one
+            # \boxed{} and a number in it (\boxed{N} or a box repeated until cut off is not one)
+            "eval/percent_boxed": sum(s["boxed_number"] is not None for s in samples) / n,
+            "eval/percent_finished": sum(s["finish_reason"] != "length" for s in samples) / n,
+        }
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return await self.run_eval(
+            [self.rollout_and_score_eval(t["question"], t["gold_answer"]) for t in self.test],
+            self.summarize_eval,
+            generation_parameters={
+                "temperature": self.config.eval_temperature,
+                "max_tokens": self.budget,
+            },
+        )

@@ -1,0 +1,283 @@
+"""The rollout toolkit: sample completions and play conversations with exact training data.
+
+Every helper here works the same against a token server (``server_type`` vllm/sglang/trl,
+atropos-serve included: ``ManagedServer`` records the exact tokens, masks and sampler
+logprobs) and a plain OpenAI endpoint (the chat is re-tokenized locally with
+``tokenize_for_trainer``, no logprobs): the choice is made once, inside the server layer
+(``ServerManager.managed_server(tokens="auto")``), so environments never branch on it.
+
+* ``Sample`` and ``sample_chat_group``: ``n`` completions of one chat, ready to score.
+* ``eval_completion``: one evaluation completion (``split="eval"``), text and finish reason.
+* ``ChatSession``: one multi-turn conversation (observations, tool calls and results) and
+  its training trajectory, every assistant turn trained on.
+
+A single-turn environment::
+
+    samples = await sample_chat_group(self, messages, n=self.config.group_size,
+                                      max_tokens=256, temperature=1.0)
+    group = {"tokens": [s.tokens for s in samples], "masks": [s.masks for s in samples],
+             "scores": [score(s.text) for s in samples]}
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from atroposlib.envs.server_handling.managed_server import reply_message
+from atroposlib.utils.tokenize_for_trainer import MASK_VALUE, chat_for_template
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChatSession",
+    "Sample",
+    "eval_completion",
+    "node_logprobs",
+    "sample_chat_group",
+    "uses_token_server",
+]
+
+
+def uses_token_server(env: Any) -> bool:
+    """True when ``env``'s first server returns token ids and logprobs (``ManagedServer``
+    works on it); False for plain OpenAI endpoints."""
+    servers = getattr(env.server, "servers", None) or []
+    return bool(servers) and bool(getattr(servers[0], "provides_token_logprobs", False))
+
+
+def node_logprobs(managed: Any, node: Any) -> list[float] | None:
+    """A session node's sampler logprobs, or None when the session re-tokenized the chat
+    (a server without token logprobs)."""
+    if not getattr(managed, "provides_logprobs", True):
+        return None
+    return list(node.logprobs)
+
+
+@dataclass
+class Sample:
+    """One sampled completion, ready to score: its text, and the trainer's view of it.
+
+    Attributes:
+        text: The completion's text.
+        finish_reason: ``stop``, ``length``... ("" when the server gave none).
+        tokens: Prompt and completion token ids.
+        masks: ``tokens`` with -100 on the positions not trained on (the prompt).
+        logprobs: Sampler logprobs per token (1.0 on prompt positions); None when the
+            server gives none (plain OpenAI endpoints).
+        messages: The chat with the completion as the last assistant message.
+    """
+
+    text: str
+    finish_reason: str
+    tokens: list[int]
+    masks: list[int]
+    logprobs: list[float] | None
+    messages: list[dict[str, Any]]
+
+    @property
+    def trainable_tokens(self) -> int:
+        """Number of positions the trainer learns from."""
+        return sum(1 for m in self.masks if m != MASK_VALUE)
+
+
+async def sample_chat_group(
+    env: Any,
+    messages: list[dict[str, Any]],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    retokenize: bool = False,
+    **kwargs: Any,
+) -> list[Sample]:
+    """``n`` completions of ``messages`` as ``Sample``s (in the order of the reply).
+
+    Tokens, masks and logprobs are exact from a token server; for a plain OpenAI endpoint
+    (or with ``retokenize=True``, for prompts a text chat template cannot render exactly,
+    such as image content parts) the chat is re-tokenized locally and ``logprobs`` is None.
+
+    Args:
+        env: The ``BaseEnv`` (its ``server`` and ``tokenizer`` are used).
+        messages: The prompt chat.
+        n: Completions to sample.
+        max_tokens: Generation budget of each.
+        temperature: Sampling temperature.
+        retokenize: Re-tokenize locally even on a token server.
+        **kwargs: Further sampling arguments for ``chat_completion`` (``top_p``, ``stop``...).
+    """
+    request = {
+        "messages": messages,
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        **kwargs,
+    }
+    async with env.server.managed_server(
+        tokenizer=env.tokenizer, tokens="local" if retokenize else "auto"
+    ) as managed:
+        reply = await managed.chat_completion(**request)
+        nodes = managed.get_state()["nodes"]
+        samples = []
+        for choice, node in zip(reply.choices, nodes, strict=True):
+            text = choice.message.content or ""
+            samples.append(
+                Sample(
+                    text=text,
+                    finish_reason=choice.finish_reason or "",
+                    tokens=list(node.tokens),
+                    masks=list(node.masked_tokens),
+                    logprobs=node_logprobs(managed, node),
+                    messages=[*messages, {"role": "assistant", "content": text}],
+                )
+            )
+    return samples
+
+
+async def eval_completion(
+    env: Any,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    temperature: float,
+    **kwargs: Any,
+) -> tuple[str, str]:
+    """One evaluation completion of ``messages`` (``split="eval"``, so it uses the eval
+    slots): ``(text, finish_reason)``."""
+    reply = await env.server.chat_completion(
+        messages=messages,
+        n=1,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        split="eval",
+        **kwargs,
+    )
+    choice = reply.choices[0]
+    return choice.message.content or "", choice.finish_reason or ""
+
+
+class ChatSession:
+    """One multi-turn conversation and its trajectory (use as ``async with``).
+
+    The env appends user/tool messages (observations, tool results) with ``add``,
+    ``await session.generate()`` asks the model for the next assistant turn, and
+    ``session.trajectory()`` returns the training sequence. Every turn goes through one
+    managed session (``ServerManager.managed_server(tokens="auto")``): each prompt extends
+    the previous turn's node, so the final node holds the whole conversation with **every
+    assistant turn trained on** and observations/prompts masked, plus the sampler's logprobs
+    on token servers (a plain OpenAI endpoint re-tokenizes the chat, without logprobs).
+
+    The conversation stays under ``max_token_length``: each turn's ``max_tokens`` is capped
+    by the room left, and ``generate()`` returns None when there is no room for another turn
+    (``truncated`` is then set; the env ends the episode).
+
+    Args:
+        env: The ``BaseEnv`` (its ``server`` and ``tokenizer`` are used).
+        messages: The opening messages (system, first observation...).
+        max_tokens_per_turn: Generation budget of one assistant turn.
+        max_token_length: Budget of the whole conversation (prompt + all turns).
+        temperature: Sampling temperature.
+        tools: OpenAI ``tools`` sent with every request; on token servers this session's
+            replies are parsed for ``tool_calls`` with ``tool_parser``. None for plain text.
+        tool_parser: Parser of this session's tool calls (default: the server manager's,
+            else ``"hermes"``); the shared server manager is not changed.
+        min_turn_tokens: ``generate()`` returns None when fewer tokens than this are left.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens_per_turn: int,
+        max_token_length: int,
+        temperature: float = 1.0,
+        tools: list[dict[str, Any]] | None = None,
+        tool_parser: str | None = None,
+        min_turn_tokens: int = 4,
+    ) -> None:
+        self.env = env
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.max_token_length = max_token_length
+        self.temperature = temperature
+        self.tools = tools
+        if tools and tool_parser is None:
+            tool_parser = getattr(env.server, "tool_parser", None) or "hermes"
+        self.tool_parser = tool_parser
+        self.min_turn_tokens = min_turn_tokens
+        self.finish_reasons: list[str] = []
+        self.turns = 0
+        self.truncated = False
+        self._cm: Any = None
+        self.managed: Any = None
+
+    async def __aenter__(self) -> ChatSession:
+        self._cm = self.env.server.managed_server(
+            tokenizer=self.env.tokenizer, tool_parser=self.tool_parser, tokens="auto"
+        )
+        self.managed = await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            await self._cm.__aexit__(*exc)
+
+    def add(self, role: str, content: Any, **extra: Any) -> None:
+        """Append a message (an observation, a tool result...)."""
+        self.messages.append({"role": role, "content": content, **extra})
+
+    def prompt_length(self) -> int:
+        """Tokens of the conversation so far plus the generation prompt."""
+        ids = self.env.tokenizer.apply_chat_template(
+            chat_for_template(self.messages), add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+    async def generate(self, **kwargs: Any) -> Any | None:
+        """The model's next turn (an OpenAI ``Choice``), appended to ``messages``; None when
+        the conversation has no room left (``truncated`` is then set). ``kwargs`` go to
+        ``chat_completion`` (``split="eval"`` for evaluation episodes)."""
+        if self.managed is None:
+            raise RuntimeError("use ChatSession as 'async with ChatSession(...) as session'")
+        room = self.max_token_length - self.prompt_length() - 1
+        if room < self.min_turn_tokens:
+            self.truncated = True
+            return None
+        request: dict[str, Any] = {
+            "messages": self.messages,
+            "n": 1,
+            "max_tokens": min(self.max_tokens_per_turn, room),
+            "temperature": self.temperature,
+            **kwargs,
+        }
+        if self.tools:
+            request["tools"] = self.tools
+        reply = await self.managed.chat_completion(**request)
+        choice = reply.choices[0]
+        self.messages.append(reply_message(choice))
+        self.finish_reasons.append(choice.finish_reason or "")
+        self.turns += 1
+        return choice
+
+    def trajectory(self) -> dict[str, Any] | None:
+        """``{"tokens", "masks", "inference_logprobs" (token servers only), "messages"}`` for
+        the conversation up to the model's last turn; None when the model never spoke."""
+        if self.turns == 0 or self.managed is None:
+            return None
+        nodes = self.managed.get_state()["nodes"]
+        if not nodes:
+            return None
+        if len(nodes) > 1:
+            # a prompt did not extend the previous node (the template rewrote history);
+            # the last node still masks its prompt, so earlier turns are not trained on
+            logger.warning("multi-turn conversation split into %d nodes", len(nodes))
+        node = nodes[-1]
+        out: dict[str, Any] = {"tokens": list(node.tokens), "masks": list(node.masked_tokens)}
+        logprobs = node_logprobs(self.managed, node)
+        if logprobs is not None:
+            out["inference_logprobs"] = logprobs
+        out["messages"] = [dict(m) for m in self.messages]
+        return out
