@@ -26,7 +26,6 @@ output folder. Every child is stopped on exit, on Ctrl-C and on SIGTERM.
 from __future__ import annotations
 
 import _thread
-import argparse
 import json
 import logging
 import os
@@ -37,8 +36,11 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
 from example_trainer.api import TrajectoryAPIError
 from example_trainer.inference_process import ChildProcess, InferenceLaunchError
 from example_trainer.recipes import RECIPES
@@ -47,168 +49,164 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``atropos-quickstart``."""
-    parser = argparse.ArgumentParser(
-        prog="atropos-quickstart",
-        description="Run run-api, an inference server, one environment and the GRPO trainer "
-        "together (CPU-friendly defaults). --recipe NAME picks a tested learning setup.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--recipe",
-        choices=sorted(RECIPES),
-        default=None,
-        help="A named set of settings that is known to learn: "
+class QuickstartOptions(BaseModel):
+    """The options of ``atropos-quickstart`` (one flag per field, through
+    :class:`~atroposlib.utils.cli.ModelFlags`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: Literal[tuple(sorted(RECIPES))] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="A named set of settings that is known to learn: "
         + "; ".join(f"{name}: {r.summary}" for name, r in sorted(RECIPES.items()))
         + ". Flags given on the command line override the recipe's.",
     )
-    parser.add_argument(
-        "--env",
-        default="arithmetic",
-        help="Environment: a name NAME for environments/NAME_server.py (or NAME.py), or a path "
-        "to an environment file.",
+    env: str = Field(
+        "arithmetic",
+        description="Environment: a name NAME for environments/NAME_server.py (or NAME.py), or a "
+        "path to an environment file.",
     )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Policy model: a local folder, or SmolLM2-135M-Instruct (packaged, no download).",
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="Policy model: a local folder, or SmolLM2-135M-Instruct (packaged, no "
+        "download).",
     )
-    parser.add_argument("--steps", type=int, default=3, help="Trainer steps.")
-    parser.add_argument(
-        "--output", default="atropos-quickstart", help="Output folder (created if missing)."
+    steps: int = Field(3, ge=1, description="Trainer steps.")
+    output: str = Field("atropos-quickstart", description="Output folder (created if missing).")
+    inference: Literal["atropos-serve", "vllm"] = Field(
+        "atropos-serve",
+        description="atropos-serve: embedded CPU server, hot weight reload. vllm: the trainer "
+        "launches vLLM and restarts it on each checkpoint (GPU).",
     )
-    parser.add_argument(
-        "--inference",
-        choices=["atropos-serve", "vllm"],
-        default="atropos-serve",
-        help="atropos-serve: embedded CPU server, hot weight reload. vllm: the trainer launches "
-        "vLLM and restarts it on each checkpoint (GPU).",
+    group_size: int = Field(4, ge=1, description="Completions per prompt.")
+    batch_size: int = Field(8, ge=1, description="Sequences per trainer step (whole groups).")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward pass.")
+    lr: float = Field(2e-6, gt=0, description="Learning rate.")
+    seq_len: int = Field(256, ge=1, description="Longest sequence the trainer accepts.")
+    seed: int = Field(
+        0,
+        description="Seed of the trainer and of the environment's training problems (env.seed); "
+        "the held-out evaluation set does not depend on it.",
     )
-    parser.add_argument("--group-size", type=int, default=4, help="Completions per prompt.")
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="Sequences per trainer step (whole groups)."
-    )
-    parser.add_argument(
-        "--micro-batch-size", type=int, default=4, help="Sequences per forward/backward pass."
-    )
-    parser.add_argument("--lr", type=float, default=2e-6, help="Learning rate.")
-    parser.add_argument(
-        "--seq-len", type=int, default=256, help="Longest sequence the trainer accepts."
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Seed of the trainer and of the environment's training problems (env.seed); the "
-        "held-out evaluation set does not depend on it.",
-    )
-    parser.add_argument(
-        "--eval",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="Evaluate on the env's held-out split (its evaluate command, greedy) before "
+    eval: bool = Field(
+        False,
+        description="Evaluate on the env's held-out split (its evaluate command, greedy) before "
         "training, every --eval-every steps and after; write eval_before.json, "
         "eval_after.json and training_curves.png.",
     )
-    parser.add_argument(
-        "--eval-every",
-        type=int,
-        default=0,
-        help="Steps between held-out evaluations during training (0: only before and after).",
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Steps between held-out evaluations during training (0: only before and "
+        "after).",
     )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="Continue the run in --output from its newest resumable checkpoint.",
+    resume: bool = Field(
+        False, description="Continue the run in --output from its newest resumable checkpoint."
     )
-    parser.add_argument(
-        "--device", default=None, help="Trainer device (default: cuda if available, else cpu)."
+    device: str | None = Field(
+        None, description="Trainer device (default: cuda if available, else cpu)."
     )
-    parser.add_argument("--api-port", type=int, default=0, help="run-api port (0: a free port).")
-    parser.add_argument(
-        "--inference-port", type=int, default=0, help="Inference server port (0: a free port)."
+    api_port: int = Field(0, description="run-api port (0: a free port).")
+    inference_port: int = Field(0, description="Inference server port (0: a free port).")
+    vllm_python: str = Field(
+        default_factory=lambda: sys.executable,
+        description="Python that runs vLLM (--inference vllm), e.g. a separate virtualenv's.",
     )
-    parser.add_argument(
-        "--vllm-python",
-        default=sys.executable,
-        help="Python that runs vLLM (--inference vllm), e.g. a separate virtualenv's.",
+    vllm_arg: list[str] = Field(
+        default_factory=list,
+        json_schema_extra=REPEATABLE,
+        description="Extra vLLM argument (--vllm-arg=--max-model-len --vllm-arg=2048).",
     )
-    parser.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="Extra vLLM argument, repeatable (--vllm-arg=--max-model-len --vllm-arg=2048).",
+    serve_arg: list[str] = Field(
+        default_factory=list,
+        json_schema_extra=REPEATABLE,
+        description="Extra atropos-serve argument (--serve-arg=--dtype --serve-arg=float32).",
     )
-    parser.add_argument(
-        "--serve-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="Extra atropos-serve argument, repeatable (--serve-arg=--dtype --serve-arg=float32).",
+    batch_timeout: float = Field(
+        600.0, description="Seconds to wait for one batch before stopping with an error."
     )
-    parser.add_argument(
-        "--batch-timeout",
-        type=float,
-        default=600.0,
-        help="Seconds to wait for one batch before stopping with an error.",
+    wandb: Literal["off", "offline", "online"] = Field(
+        "off", description="Weights & Biases logging of the trainer."
     )
-    parser.add_argument(
-        "--wandb",
-        choices=["off", "offline", "online"],
-        default="off",
-        help="Weights & Biases logging of the trainer.",
+    env_arg: list[str] = Field(
+        default_factory=list,
+        json_schema_extra=REPEATABLE,
+        description="Extra environment flag as FLAG=VALUE, e.g. --env-arg env.max_operand=10 "
+        "(after the recipe's; the last one of a flag wins).",
     )
-    parser.add_argument(
-        "--env-arg",
-        action="append",
-        default=[],
-        metavar="FLAG=VALUE",
-        help="Extra environment flag, repeatable, e.g. --env-arg env.max_operand=10.",
+    trainer_arg: list[str] = Field(
+        default_factory=list,
+        json_schema_extra=REPEATABLE,
+        description="Any GRPO trainer setting (atropos-grpo --help) as FIELD=VALUE, e.g. "
+        "--trainer-arg clip_eps=0.3 --trainer-arg kl_coef=0.01 (after the recipe's; the last "
+        "one of a field wins).",
     )
-    parser.add_argument(
-        "--trainer-arg",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="Any GRPO trainer setting (atropos-grpo --help), repeatable, e.g. "
-        "--trainer-arg clip_eps=0.3 --trainer-arg kl_coef=0.01.",
+
+
+FLAGS = ModelFlags(QuickstartOptions)
+
+
+def build_parser() -> ModelArgumentParser:
+    """The flags of ``atropos-quickstart``: one per :class:`QuickstartOptions` field."""
+    parser = ModelArgumentParser(
+        prog="atropos-quickstart",
+        description="Run run-api, an inference server, one environment and the GRPO trainer "
+        "together (CPU-friendly defaults). --recipe NAME picks a tested learning setup.",
     )
+    FLAGS.add_to(parser)
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Flags, with a recipe's values as defaults (flags on the command line still win)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.recipe is None:
-        args.env_args, args.trainer_args = list(args.env_arg), list(args.trainer_arg)
-        return args
-    recipe = RECIPES[args.recipe]
-    parser.set_defaults(**recipe.flags)
-    args = parser.parse_args(argv)
-    # the recipe's env/trainer settings first, so the user's repeated ones come later and win
-    args.env_args = [*recipe.env_args, *args.env_arg]
-    args.trainer_args = [*recipe.trainer_args, *args.trainer_arg]
-    return args
+def _recipe_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The values of the recipe ``--recipe`` names, under the flags given (none without it)."""
+    recipe = RECIPES.get(str(given.get("recipe")))
+    return recipe.options() if recipe is not None else {}
+
+
+def _check(options: BaseModel) -> None:
+    """What one flag's value cannot say alone, as usage errors naming the flags."""
+    assert isinstance(options, QuickstartOptions)
+    batch, group, micro = options.batch_size, options.group_size, options.micro_batch_size
+    if batch % group:
+        raise FlagError(f"--batch-size '{batch}': must be a multiple of --group-size ({group})")
+    if batch % micro:
+        raise FlagError(
+            f"--batch-size '{batch}': must be a multiple of --micro-batch-size ({micro})"
+        )
+    find_env_file(options.env)
+    _flag_list(options.env_arg, "--env-arg")
+    _trainer_overrides(options.trainer_arg)
+    checkpoints = Path(options.output).expanduser().resolve() / "checkpoints"
+    if options.resume and not checkpoints.is_dir():
+        raise FlagError(f"--resume: no run to resume in {checkpoints.parent}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> QuickstartOptions:
+    """The options: a recipe's values under the flags given (flags on the command line win;
+    ``--env-arg``/``--trainer-arg`` add to the recipe's). A bad value exits with code 2, naming
+    the flag."""
+    options, _ = parse_model(FLAGS, build_parser(), argv, base=_recipe_defaults, check=_check)
+    assert isinstance(options, QuickstartOptions)
+    return options
 
 
 def find_env_file(env: str) -> Path:
-    """The environment file for ``--env`` (a path, or a name under ``environments/``)."""
+    """The environment file for ``--env`` (a path, or a name under ``environments/``).
+
+    Raises:
+        FlagError: No such file, or no such environment (the message lists the known ones).
+    """
     path = Path(env).expanduser()
     if path.suffix == ".py":
         if not path.is_file():
-            raise SystemExit(f"atropos-quickstart: --env {env}: no such file")
+            raise FlagError(f"--env {env!r}: no such file")
         return path.resolve()
     folder = REPO_ROOT / "environments"
     for candidate in (folder / f"{env}_server.py", folder / f"{env}.py"):
         if candidate.is_file():
             return candidate
     known = sorted(p.stem.removesuffix("_server") for p in folder.glob("*.py"))
-    raise SystemExit(
-        f"atropos-quickstart: --env {env}: not found in {folder} (known: {', '.join(known)})"
-    )
+    raise FlagError(f"--env {env!r}: not found in {folder} (known: {', '.join(known)})")
 
 
 def _free_port() -> int:
@@ -235,12 +233,13 @@ def _watch(children: list[ChildProcess], stop: threading.Event, failed: list[str
 
 
 def _flag_list(pairs: Sequence[str], what: str) -> list[str]:
-    """``["env.x=1", ...]`` as argv ``["--env.x", "1", ...]``."""
+    """``["env.x=1", ...]`` as argv ``["--env.x", "1", ...]`` (a pair without ``=`` is a
+    ``FlagError`` naming the flag ``what``)."""
     argv: list[str] = []
     for pair in pairs:
         flag, sep, value = pair.partition("=")
         if not sep or not flag.strip("-"):
-            raise SystemExit(f"atropos-quickstart: {what} {pair!r}: expected FLAG=VALUE")
+            raise FlagError(f"{what} {pair!r}: expected FLAG=VALUE")
         argv += [f"--{flag.lstrip('-')}", value]
     return argv
 
@@ -258,37 +257,19 @@ def _trainer_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         key = key.strip().lstrip("-").replace("-", "_")
         if not sep or key not in fields:
             known = ", ".join(sorted(fields))
-            raise SystemExit(
-                f"atropos-quickstart: --trainer-arg {pair!r}: expected FIELD=VALUE with FIELD "
-                f"one of: {known}"
+            raise FlagError(
+                f"--trainer-arg {pair!r}: expected FIELD=VALUE with FIELD one of: {known}"
             )
         out[key] = yaml.safe_load(value) if value else None
     return out
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    def fail(message: str) -> None:
-        raise SystemExit(f"atropos-quickstart: {message}")
-
-    for name in ("steps", "group_size", "batch_size", "micro_batch_size", "seq_len"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1")
-    if args.batch_size % args.group_size:
-        fail("--batch-size must be a multiple of --group-size")
-    if args.batch_size % args.micro_batch_size:
-        fail("--batch-size must be a multiple of --micro-batch-size")
-    if args.lr <= 0:
-        fail("--lr must be greater than 0")
-    if args.eval_every < 0:
-        fail("--eval-every must be 0 or more")
-
-
 class _Evaluator:
     """Held-out evaluations of the served weights: files, metrics records, the final table."""
 
-    def __init__(self, args: argparse.Namespace, env_file: Path, out: Path, **where: str) -> None:
+    def __init__(self, args: QuickstartOptions, env_file: Path, out: Path, **where: str) -> None:
         self.args, self.env_file, self.out, self.where = args, env_file, out, where
-        self.env_argv = _flag_list(args.env_args, "--env-arg")
+        self.env_argv = _flag_list(args.env_arg, "--env-arg")
         self.console = logging.getLogger("atropos-quickstart")
         self.results: dict[int, dict[str, float]] = {}
 
@@ -317,12 +298,14 @@ class _Evaluator:
         return metrics
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start everything, train, stop everything; returns the exit status."""
-    _check_args(args)
+def run(args: QuickstartOptions) -> int:
+    """Start everything, train, stop everything; returns the exit status.
+
+    ``args`` comes from :func:`parse_args`, which has checked it.
+    """
     env_file = find_env_file(args.env)
-    trainer_overrides = _trainer_overrides(args.trainer_args)
-    env_argv = _flag_list(args.env_args, "--env-arg")
+    trainer_overrides = _trainer_overrides(args.trainer_arg)
+    env_argv = _flag_list(args.env_arg, "--env-arg")
     # torch and transformers load only once the flags are known to be good
     from pydantic import ValidationError
 
@@ -332,15 +315,13 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.output).expanduser().resolve()
     logs, checkpoints = out / "logs", out / "checkpoints"
-    if args.resume and not checkpoints.is_dir():
-        raise SystemExit(f"atropos-quickstart: --resume: no run to resume in {out}")
     logs.mkdir(parents=True, exist_ok=True)
     rollouts = out / "rollouts.jsonl"
     metrics_file = out / "metrics.jsonl"
     console = logging.getLogger("atropos-quickstart")
     if args.recipe:
         console.info("recipe %s: %s", args.recipe, RECIPES[args.recipe].summary)
-    (out / "quickstart_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+    (out / "quickstart_args.json").write_text(json.dumps(args.model_dump(), indent=2))
 
     console.info("model: %s", args.model)
     model_dir = resolve_model_source(args.model)  # converts the packaged SmolLM2 once
@@ -567,7 +548,7 @@ def _summary(
     final: Path | None,
     logs: Path,
     seconds: float,
-    args: argparse.Namespace,
+    args: QuickstartOptions,
 ) -> None:
     """Render the rollouts as HTML, the curves and the table, and print where everything is."""
     lines = [f"\natropos-quickstart finished in {seconds:.0f} s. Everything is in {out}:"]

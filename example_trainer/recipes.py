@@ -21,6 +21,15 @@ class Recipe:
     env_args: list[str] = field(default_factory=list)
     trainer_args: list[str] = field(default_factory=list)
 
+    def options(self) -> dict[str, Any]:
+        """The recipe as ``atropos-quickstart`` option values (``QuickstartOptions`` fields),
+        layered under the flags given; ``--env-arg``/``--trainer-arg`` add to its lists."""
+        return {
+            **self.flags,
+            "env_arg": list(self.env_args),
+            "trainer_arg": list(self.trainer_args),
+        }
+
 
 RECIPES: dict[str, Recipe] = {
     "arithmetic-learn": Recipe(

@@ -63,6 +63,8 @@ def _names(spec: FlagSpec) -> str:
     names = ", ".join(f"`{n}`" for n in spec.invocation.split(", "))
     if spec.choices:
         names += " (" + " \\| ".join(str(c) for c in spec.choices) + ")"
+    if spec.repeatable:
+        names += " (repeatable)"
     return names
 
 

@@ -15,8 +15,14 @@ Every command (``run-api``, ``atropos-serve``, ``atropos-sft-gen``/``atropos-dpo
   ``--flag=false`` (also yes/no, on/off, 1/0).
 * **lists**: ``--flag a b c`` or a JSON list ``--flag '["a", "b"]'``; dicts as JSON.
   ``None`` is null for fields that accept null.
+* **repeatable flags**: a list field marked ``json_schema_extra=REPEATABLE`` takes one value per
+  occurrence (``--env-arg a=1 --env-arg b=2``), kept as written; a value that starts with ``-``
+  is given as ``--flag=--value``. The values given add to those of the layers below the command
+  line (``base``, a config file), as argparse's ``append`` adds to its default.
 * **help**: ``<description> (default: <value>)``, plus ``; env <VAR>`` where an environment
-  variable sets the field too. Only the canonical spelling is shown.
+  variable sets the field too, and ``repeatable;`` before the default of a repeatable flag.
+  Only the canonical spelling is shown; unambiguous abbreviations are accepted (argparse's),
+  also where both spellings of one flag start with them.
 * **errors**: a bad value is reported as ``--flag 'value': <what is wrong>`` (or as
   ``key in file.yaml: ...`` when it came from a config file) and the command exits with code 2.
 
@@ -46,6 +52,7 @@ __all__ = [
     "ModelArgumentParser",
     "ModelFlags",
     "ModelHelpFormatter",
+    "REPEATABLE",
     "extract_namespace",
     "merge_dicts",
     "parse_model",
@@ -55,6 +62,11 @@ __all__ = [
 BOOL_WORDS = frozenset(
     ["true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n", "none"]
 )
+
+
+#: ``Field(json_schema_extra=REPEATABLE)`` makes a list field a repeatable flag (one value per
+#: occurrence, added to the values of the layers below the command line).
+REPEATABLE: dict[str, Any] = {"repeatable": True}
 
 
 class FlagError(ValueError):
@@ -114,12 +126,23 @@ def _strip_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, annotation is type(None) or annotation is Any
 
 
-def _kind(annotation: Any) -> str:
-    """``bool``, ``list``, ``str`` (kept as given) or ``value`` (JSON lists/dicts parsed)."""
+def _is_repeatable(info: Any) -> bool:
+    extra = info.json_schema_extra
+    return isinstance(extra, Mapping) and bool(extra.get("repeatable"))
+
+
+def _kind(annotation: Any, repeatable: bool = False) -> str:
+    """``bool``, ``list``, ``append`` (a repeatable list flag), ``str`` (kept as given) or
+    ``value`` (JSON lists/dicts parsed)."""
     inner, _ = _strip_optional(annotation)
+    is_list = typing.get_origin(inner) in (list, tuple, set, frozenset) or inner in (list, tuple)
+    if repeatable:
+        if not is_list:
+            raise TypeError(f"a repeatable flag needs a list field, not {annotation!r}")
+        return "append"
     if inner is bool:
         return "bool"
-    if typing.get_origin(inner) in (list, tuple, set, frozenset) or inner in (list, tuple):
+    if is_list:
         return "list"
     if inner is str or typing.get_origin(inner) is Literal:
         return "str"
@@ -157,7 +180,7 @@ class FlagSpec:
     dest: str  #: argparse destination (``prefix + name``)
     flag: str  #: canonical spelling, e.g. ``--max-token-len`` or ``--env.group_size``
     aliases: tuple[str, ...]  #: other accepted spellings
-    kind: str  #: ``bool``, ``list``, ``str`` or ``value``
+    kind: str  #: ``bool``, ``list``, ``append`` (repeatable), ``str`` or ``value``
     nullable: bool  #: whether ``None`` means null
     required: bool
     default: str  #: the default as shown (``required`` for required fields)
@@ -168,11 +191,18 @@ class FlagSpec:
 
     @property
     def help(self) -> str:
-        """``<description> (default: X; env VAR)``."""
+        """``<description> (default: X; env VAR)``, ``(repeatable; default: X)``."""
         extra = f"default: {self.default}"
+        if self.repeatable:
+            extra = f"repeatable; {extra}"
         if self.env_var:
             extra += f"; env {self.env_var}"
         return f"{self.description} ({extra})".strip()
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether the flag takes one value per occurrence (``--flag a --flag b``)."""
+        return self.kind == "append"
 
     @property
     def negatives(self) -> tuple[str, ...]:
@@ -236,7 +266,9 @@ class ModelArgumentParser(argparse.ArgumentParser):
 
     Before argparse sees them, ``--flag WORD`` becomes ``--flag=WORD`` when WORD is a boolean
     word, and a bare ``--flag`` / ``--no-flag`` gets its value attached, so a boolean flag
-    never swallows the positional argument after it.
+    never swallows the positional argument after it. An abbreviation that both spellings of one
+    flag start with (``--group`` for ``--group-size``/``--group_size``) names that flag, as it
+    would with one spelling; one that starts two different flags stays ambiguous.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -248,6 +280,17 @@ class ModelArgumentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(self._attach_bool_values(argv), namespace)
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        # argparse's abbreviation lookup (private; its tuples start with the action): one match
+        # per action, so the snake_case alias does not make a kebab-case prefix ambiguous.
+        seen: set[int] = set()
+        unique = []
+        for match in super()._get_option_tuples(option_string):
+            if id(match[0]) not in seen:
+                seen.add(id(match[0]))
+                unique.append(match)
+        return unique
 
     def _attach_bool_values(self, argv: list[str]) -> list[str]:
         out: list[str] = []
@@ -336,12 +379,13 @@ class ModelFlags:
         else:
             default = format_default(info.get_default(call_default_factory=True))
         _, nullable = _strip_optional(info.annotation)
+        kind = _kind(info.annotation, _is_repeatable(info))
         return FlagSpec(
             name=name,
             dest=f"{self.prefix}{name}",
             flag=spellings[0],
             aliases=tuple(spellings[1:]),
-            kind=_kind(info.annotation),
+            kind=kind,
             nullable=nullable,
             required=info.is_required() and name not in self.defaults,
             default=default,
@@ -383,6 +427,8 @@ class ModelFlags:
                 kwargs["metavar"] = spec.name.upper()
             if spec.kind == "list":
                 kwargs["nargs"] = "*"
+            elif spec.kind == "append":
+                kwargs["action"] = "append"
             action = parser.add_argument(*spec.option_strings, **kwargs)
             action.spec = spec  # type: ignore[attr-defined]
         return self
@@ -397,6 +443,8 @@ class ModelFlags:
     def coerce(self, name: str, raw: Any) -> Any:
         """A flag's raw value as the model should see it."""
         spec = self.specs[name]
+        if spec.kind == "append":
+            return list(raw)  # one value per occurrence, as written
         if spec.kind == "list" and isinstance(raw, list):
             if len(raw) == 1 and isinstance(raw[0], str):
                 single = raw[0].strip()
@@ -434,11 +482,17 @@ class ModelFlags:
     ) -> BaseModel:
         """The validated model: ``base`` < ``config`` (a YAML section) < the flags given.
 
+        A repeatable flag's values are added to the list ``base``/``config`` give it.
+
         Raises:
             FlagError: A value the model refuses, naming the flag or the config key.
         """
         flags = self.values(namespace)
-        data = merge_dicts(dict(base or {}), dict(config or {}), flags)
+        below = merge_dicts(dict(base or {}), dict(config or {}))
+        for name, given in flags.items():
+            if self.specs[name].repeatable and isinstance(below.get(name), list):
+                flags[name] = [*below[name], *given]
+        data = merge_dicts(below, flags)
         return self.validate(data, given=self.given(namespace), config=config or {},
                              config_path=config_path)  # fmt: skip
 
@@ -514,16 +568,20 @@ def parse_model(
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None = None,
     *,
-    base: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
     check: Callable[[BaseModel], None] | None = None,
 ) -> tuple[BaseModel, argparse.Namespace]:
     """Parse ``argv`` with ``parser`` (built with ``flags.add_to``) into the validated model.
 
+    ``base`` holds values under the flags (see :meth:`ModelFlags.build`); it may be a function
+    of the flags given (``{field: value}``), for a preset that a flag picks (``--recipe``).
     A value the model refuses, or one ``check(model)`` refuses with a ``FlagError``, is a usage
     error: the message names the flag and the process exits with code 2.
     """
     namespace = parser.parse_args(argv)
     try:
+        if callable(base):
+            base = base(flags.values(namespace))
         model = flags.build(namespace, base=base)
         if check is not None:
             check(model)

@@ -567,12 +567,24 @@ def test_trainer_restarts_vllm_on_each_sync(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--env", "no_such_env"], "--env no_such_env: not found"),
-        (["--env", "missing.py"], "--env missing.py: no such file"),
-        (["--batch-size", "6", "--group-size", "4"], "multiple of --group-size"),
+        (["--env", "no_such_env"], "--env 'no_such_env': not found"),
+        (["--env", "missing.py"], "--env 'missing.py': no such file"),
+        (
+            ["--batch-size", "6", "--group-size", "4"],
+            "--batch-size '6': must be a multiple of --group-size (4)",
+        ),
+        (["--steps", "0"], "--steps '0': Input should be greater than or equal to 1"),
+        (["--recipe", "nope"], "--recipe 'nope': Input should be 'arithmetic-learn' or"),
+        (["--env-arg", "env.x"], "--env-arg 'env.x': expected FLAG=VALUE"),
+        (["--trainer-arg", "nope=1"], "--trainer-arg 'nope=1': expected FIELD=VALUE"),
+        # a value that starts with "-" is attached with "=" (--env-arg=--env.x=1)
+        (["--env-arg", "--env.x=1"], "argument --env-arg/--env_arg: expected one argument"),
+        (["--resume"], "--resume: no run to resume"),
     ],
 )
 def test_quickstart_bad_flags_are_named(tmp_path: Path, argv: list[str], message: str) -> None:
+    """A bad flag is a usage error, as in every atroposlib command: exit 2, the flag named,
+    before anything starts."""
     result = subprocess.run(
         [sys.executable, "-m", "example_trainer.quickstart", "--output", str(tmp_path), *argv],
         capture_output=True,
@@ -580,7 +592,8 @@ def test_quickstart_bad_flags_are_named(tmp_path: Path, argv: list[str], message
         env=ENV,
         timeout=120,
     )
-    assert result.returncode != 0
-    assert message in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert f"atropos-quickstart: error: {message}" in result.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started
     if "not found" in message:
         assert "arithmetic" in result.stderr  # lists the known environments

@@ -44,7 +44,7 @@ def test_recipe_settings_reach_the_env_and_the_trainer(name: str) -> None:
         assert getattr(args, flag) == value, flag
 
     env_cls = _env_class(args.env)
-    argv = ["serve", *quickstart._flag_list(args.env_args, "--env-arg")]
+    argv = ["serve", *quickstart._flag_list(args.env_arg, "--env-arg")]
     env_config = resolve_config(env_cls, argv).env_config
     for pair in recipe.env_args:
         key, _, written = pair.partition("=")
@@ -52,7 +52,7 @@ def test_recipe_settings_reach_the_env_and_the_trainer(name: str) -> None:
         assert field in type(env_config).model_fields, f"{name}: no env field {field!r}"
         assert _same(getattr(env_config, field), written), (field, getattr(env_config, field))
 
-    overrides = quickstart._trainer_overrides(args.trainer_args)
+    overrides = quickstart._trainer_overrides(args.trainer_arg)
     config = TrainingConfig(model_name="SmolLM2-135M-Instruct", **overrides)
     for field, value in overrides.items():
         assert getattr(config, field) == value
@@ -64,6 +64,12 @@ def test_command_line_flags_override_the_recipe(name: str) -> None:
         ["--recipe", name, "--steps", "2", "--env-arg", "env.temperature=0.25"]
     )
     assert args.steps == 2
+    # the recipe's settings first, the command line's after them (the last one wins)
+    assert args.env_arg == [*RECIPES[name].env_args, "env.temperature=0.25"]
     env_cls = _env_class(args.env)
-    argv = ["serve", *quickstart._flag_list(args.env_args, "--env-arg")]
+    argv = ["serve", *quickstart._flag_list(args.env_arg, "--env-arg")]
     assert resolve_config(env_cls, argv).env_config.temperature == 0.25
+    args = quickstart.parse_args(["--recipe", name, "--no-eval", "--trainer-arg=--kl-coef=0.1"])
+    assert args.eval is False
+    assert args.trainer_arg == [*RECIPES[name].trainer_args, "--kl-coef=0.1"]
+    assert quickstart._trainer_overrides(args.trainer_arg)["kl_coef"] == 0.1

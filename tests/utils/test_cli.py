@@ -9,6 +9,7 @@ import pytest
 from pydantic import AliasChoices, BaseModel, Field
 
 from atroposlib.utils.cli import (
+    REPEATABLE,
     FlagError,
     ModelArgumentParser,
     ModelFlags,
@@ -129,6 +130,87 @@ def test_build_layers_and_names_the_source() -> None:
         "base_url"
     )
     assert flags.canonical_key("nope") is None
+
+
+class Passthrough(BaseModel):
+    extra_arg: list[str] = Field(
+        default_factory=list, json_schema_extra=REPEATABLE, description="Passed on."
+    )
+    counts: list[int] = Field(default_factory=list, json_schema_extra=REPEATABLE, description="N.")
+    names: list[str] = Field(default_factory=list, description="Names.")
+    group_size: int = Field(4, description="Sequences per group.")
+
+
+def parse_passthrough(argv: list[str], **kwargs) -> Passthrough:
+    flags = ModelFlags(Passthrough)
+    parser = ModelArgumentParser(prog="tool")
+    flags.add_to(parser)
+    model, _ = parse_model(flags, parser, argv, **kwargs)
+    assert isinstance(model, Passthrough)
+    return model
+
+
+def test_repeatable_flag_takes_one_value_per_occurrence() -> None:
+    assert parse_passthrough([]).extra_arg == []
+    opts = parse_passthrough(["--extra-arg", "a=1", "--extra_arg=b=2", "--extra-arg", "[1, 2]"])
+    assert opts.extra_arg == ["a=1", "b=2", "[1, 2]"]  # kept as written, no JSON parsing
+    # a value that starts with "-" is attached with "="; a negative number needs no "="
+    opts = parse_passthrough(["--extra-arg=--dtype", "--extra-arg=float32", "--extra-arg", "-1"])
+    assert opts.extra_arg == ["--dtype", "float32", "-1"]
+    assert parse_passthrough(["--counts", "3", "--counts=4"]).counts == [3, 4]  # items validated
+    # a plain list flag still takes its values in one go
+    assert parse_passthrough(["--names", "a", "b"]).names == ["a", "b"]
+
+
+def test_repeatable_flag_adds_to_the_layers_below(capsys) -> None:
+    base = {"extra_arg": ["x=1"], "group_size": 8}
+    opts = parse_passthrough(["--extra-arg", "x=2"], base=base)
+    assert opts.extra_arg == ["x=1", "x=2"] and opts.group_size == 8
+    assert parse_passthrough([], base=base).extra_arg == ["x=1"]
+    # base may depend on the flags given (a preset one flag picks)
+    picked = parse_passthrough(
+        ["--group-size", "2", "--extra-arg", "y"],
+        base=lambda given: {"extra_arg": [f"size={given['group_size']}"]},
+    )
+    assert picked.extra_arg == ["size=2", "y"]
+    flags = ModelFlags(Passthrough)
+    parser = ModelArgumentParser(prog="tool")
+    flags.add_to(parser)
+    built = flags.build(parser.parse_args(["--counts", "3"]), base={"counts": [1]},
+                        config={"counts": [2]})  # fmt: skip
+    assert isinstance(built, Passthrough) and built.counts == [2, 3]  # config replaces base
+
+
+def test_repeatable_flag_errors_and_help(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_passthrough(["--counts", "3", "--counts", "x"])
+    assert info.value.code == 2
+    assert "--counts '3 x': Input should be a valid integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        parse_passthrough(["--extra-arg", "--dtype"])  # a value starting with "-" needs "="
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--extra-arg" in err and "expected one argument" in err
+    with pytest.raises(SystemExit):
+        parse_passthrough(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--extra-arg EXTRA_ARG Passed on. (repeatable; default: [])" in out
+    assert ModelFlags(Passthrough).specs["extra_arg"].repeatable
+
+    class NotAList(BaseModel):
+        x: int = Field(0, json_schema_extra=REPEATABLE)
+
+    with pytest.raises(TypeError, match="repeatable flag needs a list field"):
+        ModelFlags(NotAList)
+
+
+def test_abbreviations_of_both_spellings_name_one_flag(capsys) -> None:
+    assert parse_passthrough(["--group", "2"]).group_size == 2  # --group-size and --group_size
+    assert parse_passthrough(["--extra", "a"]).extra_arg == ["a"]
+    with pytest.raises(SystemExit) as info:
+        parse(["out", "--u", "x"])  # --use-wandb or --url: still ambiguous
+    assert info.value.code == 2
+    assert "ambiguous option" in capsys.readouterr().err
 
 
 def test_merge_dicts_is_recursive_and_pure() -> None:
