@@ -36,9 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from atroposlib.inference.attention import append_cache, use_decode_attention
-from atroposlib.inference.lean_decode import LeanDecoder
-from atroposlib.inference.packed_linear import pack_linear_weights, unpack_linear_weights
+from atroposlib.inference import fastpath
 from atroposlib.inference.sampling import (
     LOGPROBS_MODES,
     InvalidParamError,
@@ -201,37 +199,11 @@ class _Sequence:
         return self.out.finish_reason is not None
 
 
-def _batch_cache(
-    source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]], append: bool = False
-) -> DynamicCache:
-    """The running batch's cache, always built the same way.
-
-    With ``append``, its layers write each new token in place (:class:`AppendLayer`). Else it
-    is a plain ``DynamicCache`` for ``torch.compile``: one built from layer tensors differs (in
-    attributes the compiled graphs guard on) from one a forward pass filled, so the decode step
-    only ever sees this kind.
-    """
-    layers = source if isinstance(source, list) else [(x.keys, x.values) for x in source.layers]
-    if append:
-        return append_cache(layers)
-    # Contiguous too: compiled graphs guard on strides, and a sliced or repeated cache has others.
-    return DynamicCache(ddp_cache_data=[(k.contiguous(), v.contiguous()) for k, v in layers])
-
-
 def release_model(model: PreTrainedModel) -> None:
-    """Break the reference cycles :meth:`GenerationEngine.prepare_model` made in ``model`` (its
-    lean decoder points back at it, each packed layer's bound ``forward`` at its layer), so the
-    model is freed as soon as the last plain reference goes.
-
-    Without this a replaced model lives until Python's cyclic collector happens to run a full
-    collection: a training run that reloads weights every step grew the server by one model
-    (~1.3 GB for SmolLM2-135M in float32 with its packed copies) per reload, to 20 GB.
-    """
-    lean = model.__dict__.pop("_atropos_lean", None)
-    if lean is not None:
-        lean.__dict__.clear()
-    model.__dict__.pop("_atropos_prepared_for", None)
-    unpack_linear_weights(model)
+    """Drop what :meth:`GenerationEngine.prepare_model` added to ``model`` (packed and fused
+    weight copies) and the reference cycles it made, so a replaced model is freed as soon as
+    its last plain reference goes (:func:`~atroposlib.inference.fastpath.release`)."""
+    fastpath.release(model)
 
 
 class GenerationEngine:
@@ -249,16 +221,13 @@ class GenerationEngine:
     op keeps an OpenMP pool, and once the pools hold more threads than there are cores,
     libgomp stops spin-waiting between ops, which made a decode step up to 1.7x slower.
 
-    ``fast_decode`` (the default) switches a model that runs on sdpa attention to
-    :func:`~atroposlib.inference.attention.decode_attention` (it sets the model's attention
-    implementation, also on models handed to :meth:`request_reload`), keeps the running
-    batch in an append-in-place cache and, on the CPU, multiplies with prepacked oneDNN
-    weights (:func:`~atroposlib.inference.packed_linear.pack_linear_weights`; one more copy
-    of the linear weights in memory) and, for Llama-architecture models, decodes with
-    :class:`~atroposlib.inference.lean_decode.LeanDecoder` (the same arithmetic without
-    ``transformers``' per-call overhead; fused projection weights are another copy of those
-    weights; ``lean_decode=False`` keeps the model's own forward pass); ``compile`` compiles
-    the decode step instead.
+    ``fast_decode`` (the default) runs the CPU fast path of
+    :func:`atroposlib.inference.fastpath.prepare` on the model and on every model handed to
+    :meth:`request_reload`: a single-token attention kernel, an append-in-place KV cache,
+    prepacked oneDNN weights and, for Llama-architecture models, a lean decode step
+    (``lean_decode=False`` keeps the model's own forward pass), each where it computes exactly
+    what the model computes; the packed and fused weights are extra copies of the linear
+    weights. ``compile`` compiles the decode step instead (keeping only the attention kernel).
 
     ``logprobs_mode`` (vLLM's names): ``raw_logprobs`` reports log-probabilities of the model's
     distribution; ``processed_logprobs`` of the distribution each token was drawn from (after
@@ -295,16 +264,12 @@ class GenerationEngine:
         self.prefill_token_budget = prefill_token_budget
         self.min_shared_prefix = min_shared_prefix
         self.compiled = compile
-        # Direct single-token attention and an append-in-place cache (see ``attention.py``).
-        # The cache's views change strides as it grows, which compiled graphs guard on, so
-        # ``compile`` keeps the stock cache.
         self.fast_decode = fast_decode
-        self._append_cache = fast_decode and not compile
-        self._pack_linears = fast_decode and not compile
-        # Llama-architecture models decode without transformers' per-call overhead.
-        self._lean_decode = lean_decode and self._pack_linears
+        self._fast_options = fastpath.FastPathOptions(
+            enabled=fast_decode, lean=lean_decode, compiled=compile
+        )
         self.device = next(model.parameters()).device
-        self.prepare_model(model)
+        self._fast = self._prepare(model)
         # The decode step (one token per row) is where Python overhead dominates on CPU, so it is
         # the part worth compiling; prefill keeps the eager model (its shapes vary too much).
         self._decode_model = model
@@ -325,7 +290,9 @@ class GenerationEngine:
         self._running: list[_Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
-        self._pending_reload: tuple[PreTrainedModel, concurrent.futures.Future, float] | None = None
+        self._pending_reload: (
+            tuple[fastpath.PreparedModel, concurrent.futures.Future, float] | None
+        ) = None
         self._drain_started: float | None = None
         # pause/resume (vLLM's RL API): the mode asked for, whether the pause is in effect yet,
         # and the callers waiting for it to be
@@ -399,7 +366,7 @@ class GenerationEngine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = _batch_cache(out.past_key_values, self._append_cache)
+                cache = self._fast.batch_cache(out.past_key_values)
                 mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
                 for _ in range(3):
                     # The same call as the scheduler's decode step, so that with ``compile``
@@ -427,19 +394,12 @@ class GenerationEngine:
             self._thread.join(timeout)
 
     @property
-    def _lean(self) -> LeanDecoder | None:
-        """The lean decode step of the served model (built by :meth:`prepare_model`)."""
-        return getattr(self.model, "_atropos_lean", None)
-
-    @property
     def decode_path(self) -> str:
-        """How decode steps run now: ``"lean"`` (:class:`~.lean_decode.LeanDecoder`),
+        """How decode steps run now: ``"lean"`` (the fast path's lean decode step),
         ``"compiled"`` (``compile``) or ``"transformers"`` (the model's own forward pass)."""
         if self.compiled:
             return "compiled"
-        if self._lean is not None and self._lean.current():
-            return "lean"
-        return "transformers"
+        return self._fast.decode_path
 
     @property
     def healthy(self) -> bool:
@@ -548,21 +508,17 @@ class GenerationEngine:
 
     def prepare_model(self, model: PreTrainedModel) -> PreTrainedModel:
         """Get a model ready to be swapped in: on the engine's device, in eval mode, with the
-        decode kernels and packed weights the engine uses. Done once per model (it takes about
-        as long as copying the weights); :meth:`request_reload` calls it if nobody did, so a
-        caller may run it beforehand on a loader thread, off the event loop."""
-        if getattr(model, "_atropos_prepared_for", None) is self:
-            return model
+        engine's fast path (:func:`~atroposlib.inference.fastpath.prepare`). Done once per
+        model (it takes about as long as copying the weights); :meth:`request_reload` calls it
+        if nobody did, so a caller may run it beforehand on a loader thread, off the event
+        loop."""
+        self._prepare(model)
+        return model
+
+    def _prepare(self, model: PreTrainedModel) -> fastpath.PreparedModel:
         model.to(self.device)
         model.eval()
-        if self.fast_decode:
-            use_decode_attention(model)
-        if self._pack_linears:
-            pack_linear_weights(model)
-        lean = LeanDecoder.build(model) if self._lean_decode else None
-        model._atropos_lean = lean  # type: ignore[attr-defined]
-        model._atropos_prepared_for = self  # type: ignore[attr-defined]
-        return model
+        return fastpath.prepare(model, self._fast_options)
 
     def request_reload(self, model: PreTrainedModel) -> concurrent.futures.Future[ReloadInfo]:
         """Swap in ``model`` once the sequences in flight have finished on the old weights.
@@ -577,11 +533,11 @@ class GenerationEngine:
             )
         future: concurrent.futures.Future[ReloadInfo] = concurrent.futures.Future()
         # Outside the lock: the scheduler keeps decoding on the old weights meanwhile.
-        self.prepare_model(model)
+        prepared = self._prepare(model)
         with self._cond:
             if self._pending_reload is not None:
                 raise RuntimeError("a weight reload is already in progress")
-            self._pending_reload = (model, future, time.time())
+            self._pending_reload = (prepared, future, time.time())
             self._drain_started = time.monotonic()
             self._cond.notify()
         return future
@@ -629,7 +585,8 @@ class GenerationEngine:
         # Rows frozen by a "keep" pause do not block a reload: they continue on the new weights.
         if self._pending_reload is None or (self._running and self._pause_mode != "keep"):
             return
-        model, future, requested_at = self._pending_reload
+        prepared, future, requested_at = self._pending_reload
+        model = prepared.model
         drained = time.monotonic() - (self._drain_started or time.monotonic())
         if self.compiled:
             # Copy the weights into the compiled module in place: its graphs stay valid, so a
@@ -638,9 +595,10 @@ class GenerationEngine:
                 self.model.load_state_dict(model.state_dict())
             release_model(model)
         else:
-            # prepare_model (in request_reload) set up its attention, packed weights and lean step.
+            # request_reload prepared its fast path.
             outgoing = self.model
             self.model = self._decode_model = model
+            self._fast = prepared
             release_model(outgoing)
         self.weights_version += 1
         self._pending_reload = None
@@ -783,7 +741,7 @@ class GenerationEngine:
         # rows then hold [prefix | padding | own suffix], which the attention mask and explicit
         # positions make exact (padding columns are masked out, positions skip them).
         shared = self._shared_prefix_len(handles)
-        cache = append_cache() if self._append_cache else DynamicCache()
+        cache = self._fast.new_cache()
         prefix_mask = torch.ones((len(handles), shared), dtype=torch.long)
         if shared:
             prefix = torch.tensor([handles[0].prompt_ids[:shared]], dtype=torch.long)
@@ -857,7 +815,7 @@ class GenerationEngine:
     def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[_Sequence]) -> None:
         """Append new rows to the running batch, left-padding whichever side is shorter."""
         if self._cache is None or not self._running:
-            self._cache = _batch_cache(cache, self._append_cache)
+            self._cache = self._fast.batch_cache(cache)
             self._mask, self._running = mask, sequences
             return
         width = max(self._mask.shape[1], mask.shape[1])
@@ -874,7 +832,7 @@ class GenerationEngine:
             keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
             values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
             layers.append((keys, values))
-        self._cache = _batch_cache(layers, self._append_cache)
+        self._cache = self._fast.batch_cache(layers)
         self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
         self._running = self._running + sequences
 
@@ -885,9 +843,9 @@ class GenerationEngine:
         input_ids = torch.tensor([[s.out.token_ids[-1]] for s in self._running], dtype=torch.long)
         mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
         positions = mask.sum(dim=1, keepdim=True) - 1
-        lean = self._lean
-        if lean is not None and lean.current():
-            logits = lean(input_ids.to(self.device), mask, positions, self._cache).float().cpu()
+        fast = self._fast.decode(input_ids.to(self.device), mask, positions, self._cache)
+        if fast is not None:
+            logits = fast.float().cpu()
         else:
             out = self._decode_model(
                 input_ids=input_ids.to(self.device),

@@ -16,7 +16,7 @@ SERVED_NAME = "tiny"
 
 
 def _packed_dtypes() -> list:
-    from atroposlib.inference.packed_linear import packing_supported
+    from atroposlib.inference.fastpath.packed_linear import packing_supported
 
     bf16_missing = not packing_supported(torch.bfloat16)
     reason = "no bf16 oneDNN kernels on this CPU"

@@ -11,14 +11,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from atroposlib.inference.attention import (
+from atroposlib.inference.engine import GenerationEngine
+from atroposlib.inference.fastpath.attention import (
     ATTENTION_NAME,
     HEADROOM,
     AppendLayer,
     append_cache,
     decode_attention,
 )
-from atroposlib.inference.engine import GenerationEngine
 from atroposlib.inference.models import load_model
 from atroposlib.inference.sampling import SamplingParams
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from atroposlib.inference.attention import append_cache, use_decode_attention
 from atroposlib.inference.engine import GenerationEngine
-from atroposlib.inference.lean_decode import LeanDecoder
+from atroposlib.inference.fastpath.attention import append_cache, use_decode_attention
+from atroposlib.inference.fastpath.lean_decode import LeanDecoder
+from atroposlib.inference.fastpath.packed_linear import pack_linear_weights, packing_supported
 from atroposlib.inference.models import load_model
-from atroposlib.inference.packed_linear import pack_linear_weights, packing_supported
 from atroposlib.inference.sampling import SamplingParams
 from tests.inference.conftest import PACKED_DTYPES as DTYPES
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from atroposlib.inference.models import load_model
-from atroposlib.inference.packed_linear import (
+from atroposlib.inference.fastpath.packed_linear import (
     is_packed,
     pack_linear_weights,
     packing_supported,
     unpack_linear_weights,
 )
+from atroposlib.inference.models import load_model
 from tests.inference.conftest import PACKED_DTYPES as DTYPES
 
 

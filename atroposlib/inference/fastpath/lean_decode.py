@@ -16,7 +16,7 @@ ms), 1.27x at 8, 1.13x at 32.
 It applies only where it is exactly the model's computation: the Llama architecture and its
 close relatives (``llama``, ``mistral``, ``qwen2``, ``qwen3``) with SiLU MLPs, full attention
 (no sliding window) and the engine's single-token attention, on the CPU in a dtype with prepacked
-kernels (:mod:`atroposlib.inference.packed_linear`); :func:`LeanDecoder.build` returns None
+kernels (:mod:`atroposlib.inference.fastpath.packed_linear`); :func:`LeanDecoder.build` returns None
 for anything else, and the engine keeps the ``transformers`` forward pass. Prefill (many
 tokens per row) always uses the ``transformers`` forward pass.
 
@@ -124,10 +124,15 @@ class LeanDecoder:
     @classmethod
     def build(cls, model: PreTrainedModel) -> LeanDecoder | None:
         """A decoder for ``model``, or None where it would not be exactly the model's step."""
+        return cls.try_build(model)[0]
+
+    @classmethod
+    def try_build(cls, model: PreTrainedModel) -> tuple[LeanDecoder | None, str]:
+        """:meth:`build`, with why not: ``(decoder, "")`` or ``(None, reason)``."""
         try:
-            return cls(model, cls._fuse(model))
-        except _Unsupported:
-            return None
+            return cls(model, cls._fuse(model)), ""
+        except _Unsupported as exc:
+            return None, str(exc)
 
     @staticmethod
     def _fuse(model: PreTrainedModel) -> list[_Layer]:
