@@ -161,9 +161,11 @@ class ReasoningGymEnvConfig(BaseEnvConfig):
     @classmethod
     def _check_tasks(cls, value: Any) -> list[str]:
         if isinstance(value, str):
-            value = [t.strip() for t in value.split(",") if t.strip()]
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
             raise ValueError("must be a list of task names or 'a,b,c'")
+        # the CLI hands a list of words: `--env.tasks a b`, `--env.tasks a,b` or both
+        value = [t.strip() for word in value for t in word.split(",") if t.strip()]
         known = known_tasks()
         if value == ["all"]:
             return known
