@@ -38,6 +38,7 @@ __all__ = [
     "ITEM_KEYS",
     "PER_SEQUENCE_KEYS",
     "POLICY_VERSION_MAX",
+    "PolicyVersion",
     "REQUIRED_KEYS",
     "GroupError",
     "ScoredData",
