@@ -86,7 +86,7 @@ class ApiSettings(BaseModel):
         le=(1 << 62),
         description="Most steps a group's policy_version may be behind the batch it goes into: "
         "when the batch of step s is formed, queued groups with s - policy_version greater "
-        "than this are dropped, logged and counted as dropped{reason=\"stale\"} in /metrics "
+        'than this are dropped, logged and counted as dropped{reason="stale"} in /metrics '
         "(1 keeps only groups made by the latest weights the trainer synced). Groups without a "
         "policy_version are never stale. Unset: no limit (upstream's behaviour).",
     )

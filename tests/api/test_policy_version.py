@@ -185,7 +185,7 @@ def test_every_accepted_group_is_served_or_counted_stale(start_api) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as client:
         start_run(client, batch_size=4)
         tag = 0
-        for round_ in range(12):
+        for _ in range(12):
             step = metrics(client)["step"]
             for lag in (0, 1, 2, 3, 4, None):
                 version = None if lag is None else max(0, step - lag)

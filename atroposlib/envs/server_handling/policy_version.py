@@ -141,11 +141,11 @@ class PolicyVersionTracker:
                 logger.debug("%s answered HTTP %d", self.url, response.status_code)
                 return
             logger.info(
-                    "%s does not report a policy version (HTTP %d); groups made with it are "
-                    "not stamped with one",
-                    self.url,
-                    response.status_code,
-                )
+                "%s does not report a policy version (HTTP %d); groups made with it are "
+                "not stamped with one",
+                self.url,
+                response.status_code,
+            )
             self.supported = False
             self.value = None
             return
