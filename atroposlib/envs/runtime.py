@@ -15,8 +15,9 @@ A rollout (``handle_env``) runs ``collect_trajectories`` and ``postprocess_histo
 ``handle_send_to_api`` and ``cleanup``; one that raises is retried ``rollout_retries`` times,
 then dropped as ``error`` with its traceback. Each rollout collects the policy versions of the
 servers its requests went to (:mod:`~atroposlib.envs.server_handling.policy_version`); the
-group sender stamps the lowest on groups that carry no ``policy_version`` of their own. The decisions themselves are pure functions in
-:mod:`atroposlib.envs.throttle`. Every env hook is called through ``env.``, so overrides apply.
+group sender stamps the lowest on groups that carry no ``policy_version`` of their own. The
+decisions themselves are pure functions in :mod:`atroposlib.envs.throttle`. Every env hook is
+called through ``env.``, so overrides apply.
 """
 
 from __future__ import annotations
