@@ -143,6 +143,41 @@ def test_both_stores_keep_versions_and_a_restart_keeps_them(
     assert [g.get("policy_version", "absent") for g in got] == [20, 30, "absent"]
 
 
+def test_store_written_before_policy_versions_is_upgraded(start_api, tmp_path: Path) -> None:
+    """A store file from before this field (no ``policy_version`` column) opens, serves its
+    groups as they were, and then keeps versions."""
+    import json
+    import sqlite3
+
+    from tests.api.helpers import registration
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE envs (env_id INTEGER PRIMARY KEY, record TEXT NOT NULL);
+        CREATE TABLE groups (gid INTEGER PRIMARY KEY, env_id INTEGER, size INTEGER NOT NULL,
+            buffered INTEGER NOT NULL DEFAULT 0, payload BLOB NOT NULL, served_step INTEGER);
+        """
+    )
+    meta = {"registration": registration(2), "step": 4, "started": True, "requesters": []}
+    db.executemany("INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
+    old = {key: None for key in UPSTREAM_KEYS} | group(size=2, tag=9)
+    db.execute("INSERT INTO groups(gid, env_id, size, payload) VALUES (1, NULL, 2, ?)",
+               (json.dumps(old).encode(),))  # fmt: skip
+    db.commit()
+    db.close()
+    server = start_api("--store", str(path), "--max-staleness", "1")
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        step, batch = take(client)
+        assert (step, tags(batch), set(batch[0])) == (5, [9], UPSTREAM_KEYS)
+        client.post("/scored_data_list", json=[versioned(1, 2), versioned(2, 5)])
+        step, batch = take(client)  # 6 - 2 > 1: the first is stale
+        assert (step, tags(batch), batch[0]["policy_version"]) == (6, [2], 5)
+        assert metrics(client)["dropped"] == {"stale": 1}
+
+
 # ---------------------------------------------------------------- --max-staleness
 
 
