@@ -123,8 +123,13 @@ class PolicyVersionTracker:
         self.fetches += 1
         try:
             response = await self._client.get(self.url)
-        except (httpx.HTTPError, OSError) as exc:
+        except (httpx.TransportError, OSError) as exc:  # down or unreachable: try again later
             logger.debug("GET %s failed: %r", self.url, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - never let the version break a rollout
+            logger.info("GET %s failed (%r); not asking again", self.url, exc)
+            self.supported = False
+            self.value = None
             return
         finally:
             self._checked_at = time.monotonic()
