@@ -10,13 +10,21 @@ finite. Every problem is reported with the path of the field.
 
 Adding a field to the wire: add it to :class:`ScoredData` (optional, default None, so upstream
 clients that omit it keep working), to :data:`GROUP_KEYS` (and :data:`PER_SEQUENCE_KEYS` when it
-has one entry per sequence), and to :class:`ScoredDataGroup`/:class:`ScoredDataItem`.
+has one entry per sequence), and to :class:`ScoredDataGroup`/:class:`ScoredDataItem`. A field
+upstream does not have goes to :data:`EXTENSION_KEYS` instead of :data:`GROUP_KEYS`: it is
+stored and handed out in ``/batch`` only when a group sets it (:func:`wire_dict`), so groups
+from upstream clients keep upstream's exact shape; say in :func:`merge_extensions` how partial
+groups combine it.
+
+``policy_version`` (not in upstream) is the first such field: the trainer step whose weights
+generated the group (see ``docs/compat.md``, "Policy versions"). A group without one is treated
+as current: it is never too stale.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import TypedDict
@@ -25,15 +33,20 @@ from atroposlib.type_definitions import Message
 
 __all__ = [
     "EMPTY_EXAMPLE",
+    "EXTENSION_KEYS",
     "GROUP_KEYS",
     "ITEM_KEYS",
     "PER_SEQUENCE_KEYS",
+    "POLICY_VERSION_MAX",
+    "PolicyVersion",
     "REQUIRED_KEYS",
     "GroupError",
     "ScoredData",
     "ScoredDataGroup",
     "ScoredDataItem",
     "check_group",
+    "merge_extensions",
+    "wire_dict",
 ]
 
 #: Keys every stored group carries (upstream's 14), in upstream's order.
@@ -53,6 +66,13 @@ GROUP_KEYS: tuple[str, ...] = (
     "distill_token_ids",
     "distill_logprobs",
 )
+
+#: Keys upstream does not have (all optional, one value per group): a group carries them only
+#: when set, so groups from upstream clients keep upstream's exact shape.
+EXTENSION_KEYS: tuple[str, ...] = ("policy_version",)
+
+#: Largest ``policy_version`` accepted (a signed 64-bit integer, what every JSON stack holds).
+POLICY_VERSION_MAX = (1 << 63) - 1
 
 #: Per-sequence fields: a list with one entry per sequence of the group.
 PER_SEQUENCE_KEYS: tuple[str, ...] = (
@@ -121,6 +141,8 @@ class ScoredDataGroup(TypedDict, total=False):
     images: Any | None
     distill_token_ids: list[list[list[int]]] | None
     distill_logprobs: list[list[list[float]]] | None
+    #: The trainer step whose weights generated the group (stamped by the runtime when unset).
+    policy_version: int | None
 
 
 class ScoredDataItem(TypedDict, total=False):
@@ -138,6 +160,12 @@ class ScoredDataItem(TypedDict, total=False):
     inference_logprobs: list[float] | None
     distill_token_ids: list[list[int]] | None
     distill_logprobs: list[list[float]] | None
+    #: The trainer step whose weights generated it; a group gets the lowest of its items'.
+    policy_version: int | None
+
+
+#: A policy version: a JSON integer (not a float or a string), 0 .. 2**63-1.
+PolicyVersion = Annotated[int, Field(ge=0, le=POLICY_VERSION_MAX, strict=True)]
 
 
 class ScoredData(BaseModel):
@@ -169,6 +197,11 @@ class ScoredData(BaseModel):
     env_id: int | None = Field(default=None, description="Id returned by /register-env.")
     distill_token_ids: list[list[list[int]]] | None = None
     distill_logprobs: list[list[list[float]]] | None = None
+    policy_version: PolicyVersion | None = Field(
+        default=None,
+        description="Trainer step whose weights generated the group (not in upstream). Omitted: "
+        "treated as current (never dropped by run-api --max-staleness).",
+    )
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -186,6 +219,23 @@ class ScoredData(BaseModel):
                         f"messages[{i}][{j}]: Message must have 'role' and 'content' fields"
                     )
         return value
+
+
+def wire_dict(group: ScoredData) -> dict[str, Any]:
+    """The fields of ``group`` as stored and handed out in ``/batch``: upstream's 14 keys in
+    upstream's order, then each of :data:`EXTENSION_KEYS` the group sets."""
+    data = group.__dict__
+    if all(data[key] is not None for key in EXTENSION_KEYS):
+        return data
+    return {k: v for k, v in data.items() if v is not None or k not in EXTENSION_KEYS}
+
+
+def merge_extensions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The :data:`EXTENSION_KEYS` of a group merged from partial groups ``parts``: its
+    ``policy_version`` is the oldest of the parts' (parts without one are current); keys no
+    part sets are left out."""
+    versions = [p["policy_version"] for p in parts if p.get("policy_version") is not None]
+    return {"policy_version": min(versions)} if versions else {}
 
 
 class GroupError(ValueError):

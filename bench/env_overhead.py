@@ -5,7 +5,7 @@ same config (``group_size=4``, ``max_num_workers=--workers``, no W&B) against th
 
 * a stub OpenAI server (benchmark-only; raw asyncio HTTP with pre-encoded answers, about
   0.05 ms CPU per request) that answers every ``/v1/chat/completions`` instantly with ``n``
-  fixed choices;
+  fixed choices, and ``GET /policy_version`` with 0 (so ours stamps every group);
 * our ``run-api``, drained by a trainer-like thread (the "puller") pulling ``/batch``.
 
 A rollout is one group: one chat request with ``n=group_size``, trivial scoring, one send.
@@ -152,6 +152,12 @@ def _stub_response(n: int) -> bytes:
     )
 
 
+_VERSION_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 20\r\n\r\n"
+    b'{"policy_version":0}'
+)
+
+
 def _stub_main(port: int) -> None:
     responses: dict[int, bytes] = {}
 
@@ -164,6 +170,10 @@ def _stub_main(port: int) -> None:
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
                 body = json.loads(await reader.readexactly(length)) if length else {}
+                if head.startswith(b"GET /policy_version "):  # a versioned server, as ours
+                    writer.write(_VERSION_RESPONSE)
+                    await writer.drain()
+                    continue
                 n = int(body.get("n") or 1)
                 response = responses.get(n)
                 if response is None:

@@ -92,6 +92,8 @@ class TrainingBatch:
     reward_mean: float
     skipped_sequences: int = 0  # zero-advantage sequences that were not run
     group_scores: list[list[float]] = field(default_factory=list)
+    #: each group's ``policy_version`` (the trainer step whose weights made it; None if unset)
+    policy_versions: list[int | None] = field(default_factory=list)
 
     @property
     def computed_tokens(self) -> int:
@@ -328,6 +330,7 @@ def prepare_batch(
     rows: list[_Row] = []
     scores: list[float] = []
     group_scores: list[list[float]] = []
+    versions = [group.get("policy_version") for group in batch]
     total_tokens = 0
     for g, group in enumerate(batch):
         advantages = group_advantages(group)
@@ -352,7 +355,7 @@ def prepare_batch(
             micro_batches.append(_stack(rows[start : start + micro_batch_size], 0, width, None))
         return TrainingBatch(
             micro_batches, num_sequences, num_tokens, total_tokens,
-            sum(scores) / len(scores), 0, group_scores,
+            sum(scores) / len(scores), 0, group_scores, versions,
         )  # fmt: skip
 
     kept = [r for r in rows if not (skip_zero_advantage and _no_signal(r))]
@@ -370,4 +373,5 @@ def prepare_batch(
         reward_mean=sum(scores) / len(scores),
         skipped_sequences=skipped,
         group_scores=group_scores,
+        policy_versions=versions,
     )

@@ -46,7 +46,7 @@ from example_trainer.inference_process import (
     vllm_command,
 )
 from example_trainer.loss import grpo_loss
-from example_trainer.metrics import TrainingLogger
+from example_trainer.metrics import TrainingLogger, staleness_metrics
 
 logger = logging.getLogger("example_trainer")
 
@@ -361,6 +361,7 @@ def train(
                     "computed_tokens": batch.computed_tokens,
                     "skipped_sequences": batch.skipped_sequences,
                     "flat_group_fraction": batch.flat_groups / max(len(batch.group_scores), 1),
+                    **staleness_metrics(batch.policy_versions, step),
                     # a batch with nothing to train is no measure of speed
                     **(
                         {"tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9)}

@@ -1,9 +1,11 @@
-"""Where training metrics go: a rich progress line, ``metrics.jsonl`` and (optionally) W&B."""
+"""Where training metrics go: a rich progress line, ``metrics.jsonl`` and (optionally) W&B;
+and the staleness of a batch (:func:`staleness_metrics`)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,22 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+
+def staleness_metrics(policy_versions: Sequence[int | None], step: int) -> dict[str, float]:
+    """How far behind the trainer the groups of a batch were made: for each group with a
+    ``policy_version``, ``step - policy_version`` (the batch's step minus the step whose weights
+    generated it; 1 means the latest synced weights, as run-api's ``--max-staleness`` counts).
+
+    Returns ``staleness_mean`` and ``staleness_max`` over the versioned groups (left out when
+    none has a version: groups from upstream envs carry none) and ``versioned_group_fraction``.
+    """
+    behind = [step - v for v in policy_versions if v is not None]
+    metrics = {"versioned_group_fraction": len(behind) / max(len(policy_versions), 1)}
+    if behind:
+        metrics["staleness_mean"] = sum(behind) / len(behind)
+        metrics["staleness_max"] = float(max(behind))
+    return metrics
 
 
 class TrainingLogger:
@@ -80,6 +98,11 @@ class TrainingLogger:
                 else "no optimizer step"
             )
             + f"  sync {metrics['sync_seconds']:.2f} s"
+            + (
+                f"  stale {metrics['staleness_mean']:.1f}/{metrics['staleness_max']:.0f}"
+                if "staleness_mean" in metrics
+                else ""
+            )
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=line)

@@ -34,7 +34,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from atroposlib.api.queue import PreparedGroup, Refused
-from atroposlib.schema import GroupError, ScoredData, check_group
+from atroposlib.schema import GroupError, ScoredData, check_group, wire_dict
 
 try:  # Intel ISA-L: 2x faster gunzip than zlib, same format
     from isal import isal_zlib as _zlib
@@ -262,14 +262,15 @@ def parse_json(raw: bytes) -> Any:
 
 
 def _serialise(group: ScoredData, prefix: tuple[Any, ...]) -> bytes:
-    """The group's payload (orjson, fields in upstream's order), or :class:`Refused` naming the
-    value that JSON cannot carry."""
+    """The group's payload (orjson, fields in upstream's order, then the extension fields it
+    sets: :func:`~atroposlib.schema.wire_dict`), or :class:`Refused` naming the value that JSON
+    cannot carry."""
     for key in _FREE_FORM:  # orjson writes NaN as null: refuse it instead of changing it
         loc, what = _bad_value(getattr(group, key), (key,))
         if loc:
             raise _invalid(f"{_describe(loc)} {what}", (*prefix, *loc))
     try:
-        return orjson.dumps(group.__dict__)
+        return orjson.dumps(wire_dict(group))
     except orjson.JSONEncodeError as exc:
         for key, value in group.__dict__.items():
             loc, what = _bad_value(value, (key,))
@@ -318,6 +319,7 @@ def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
                 size=len(group.tokens),
                 longest=max(len(t) for t in group.tokens),
                 payload=_serialise(group, prefix),
+                policy_version=group.policy_version,
             )
         )
     return prepared

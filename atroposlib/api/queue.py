@@ -21,6 +21,12 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
   and merged into one group of ``group_size`` as soon as buffered parts add up to it.
 * The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
   the HTTP layer answers 429 with ``Retry-After``.
+* Policy versions (``policy_version``, the trainer step whose weights generated a group) are
+  kept with each group. With ``max_staleness=K`` (``run-api --max-staleness``), when a batch is
+  formed for step ``s`` (the step it is handed out as: batches handed out so far, this one
+  included) every queued group with ``s - policy_version > K`` is dropped (``stale``) before
+  the batch is chosen; groups without a version are never stale. A batch handed out again to
+  an acknowledging trainer is not re-checked.
 * Nothing is dropped silently: every refused or dropped group is counted by reason.
 
 What the queue refuses it raises as :class:`Refused` with a reason (the metric label); it knows
@@ -30,6 +36,7 @@ table and frames batches (``{"batch": [...]}``) around the payloads :class:`Batc
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -45,7 +52,7 @@ import orjson
 from atroposlib.api.models import RegisterEnv, Registration
 from atroposlib.api.packing import PackItem, exact_fill, merge_fill, pack_batch
 from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
-from atroposlib.schema import GROUP_KEYS, PER_SEQUENCE_KEYS
+from atroposlib.schema import GROUP_KEYS, PER_SEQUENCE_KEYS, merge_extensions
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class PreparedGroup:
     size: int
     longest: int
     payload: bytes
+    policy_version: int | None = None
 
 
 class Batch(list):
@@ -148,15 +156,24 @@ def _merge_payloads(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[s
             merged[key] = [x for v in values for x in v]
         else:
             merged[key] = next((v for v in values if v is not None), None)
+    merged.update(merge_extensions(parts))
     return merged, lost
 
 
 class TrajectoryQueue:
     """Thread-safe queue of scored groups with upstream Atropos's registration semantics."""
 
-    def __init__(self, store: QueueStore | None = None, limits: QueueLimits | None = None) -> None:
+    def __init__(
+        self,
+        store: QueueStore | None = None,
+        limits: QueueLimits | None = None,
+        max_staleness: int | None = None,
+    ) -> None:
         self.store: QueueStore = store or MemoryStore()
         self.limits = limits or QueueLimits()
+        #: Most steps a group's ``policy_version`` may be behind the batch it goes into; None:
+        #: no limit (upstream's behaviour).
+        self.max_staleness = max_staleness
         self._lock = threading.RLock()
         self._init_state()
         self._started_at = time.time()
@@ -188,6 +205,9 @@ class TrajectoryQueue:
         self._buffered_bytes = 0
         self._seqs_by_env = Counter[Any]()
         self._sizes_by_env: dict[Any, Counter[int]] = {}
+        # (policy_version, gid) of queued groups that carry a version, oldest first, when a
+        # staleness limit is set; entries of groups no longer queued are skipped when popped
+        self._versions: list[tuple[int, int]] = []
         # per-env counters belong to the run: env ids are reused after a reset
         self.accepted_by_env = Counter[str]()
         self.served_by_env = Counter[str]()
@@ -239,6 +259,8 @@ class TrajectoryQueue:
         self._queued_bytes += len(group.payload)
         self._seqs_by_env[group.env_id] += group.size
         self._sizes_by_env.setdefault(group.env_id, Counter())[group.size] += 1
+        if self.max_staleness is not None and group.policy_version is not None:
+            heapq.heappush(self._versions, (group.policy_version, group.gid))
 
     def _dequeue(self, group: StoredGroup) -> None:
         del self._queue[group.gid]
@@ -515,7 +537,9 @@ class TrajectoryQueue:
                 raise
             results = []
             for group in groups:
-                stored = StoredGroup(self._next_gid, group.env_id, group.size, group.payload)
+                stored = StoredGroup(
+                    self._next_gid, group.env_id, group.size, group.payload, group.policy_version
+                )
                 self._next_gid += 1
                 self.accepted["groups"] += 1
                 self.accepted["sequences"] += group.size
@@ -556,7 +580,9 @@ class TrajectoryQueue:
                     env_id,
                     ", ".join(lost),
                 )
-            group = StoredGroup(self._next_gid, env_id, target, orjson.dumps(merged))
+            group = StoredGroup(
+                self._next_gid, env_id, target, orjson.dumps(merged), merged.get("policy_version")
+            )
             self._next_gid += 1
             self.store.merge([p.gid for p in parts], group)
             self._enqueue(group)
@@ -608,6 +634,7 @@ class TrajectoryQueue:
                 again = self._acknowledge(ack)
                 if again is not None:
                     return again
+            self._drop_stale(self.step + 1)
             chosen = self._choose()
             if not chosen:
                 return {"batch": None}
@@ -633,6 +660,35 @@ class TrajectoryQueue:
                 len(self._queue),
             )
             return Batch([g.payload for g in chosen], self.step)
+
+    def _drop_stale(self, step: int) -> None:
+        """Drop queued groups whose ``policy_version`` is more than ``max_staleness`` steps
+        behind ``step`` (the step of the batch being formed); counted as ``stale``."""
+        if self.max_staleness is None:
+            return
+        oldest_allowed = step - self.max_staleness
+        stale: list[StoredGroup] = []
+        while self._versions and self._versions[0][0] < oldest_allowed:
+            _, gid = heapq.heappop(self._versions)
+            group = self._queue.get(gid)
+            if group is not None:
+                stale.append(group)
+        if not stale:
+            return
+        for group in stale:
+            self._dequeue(group)
+        self.store.take([g.gid for g in stale], self._meta())
+        self.dropped["stale"] += len(stale)
+        versions = sorted({g.policy_version for g in stale})
+        logger.warning(
+            "Dropped %d stale group(s) (%d sequences) forming the batch of step %d: policy "
+            "version(s) %s are more than %d step(s) behind (run-api --max-staleness)",
+            len(stale),
+            sum(g.size for g in stale),
+            step,
+            ", ".join(map(str, versions[:10])) + (" ..." if len(versions) > 10 else ""),
+            self.max_staleness,
+        )
 
     def _acknowledge(self, ack: int) -> Batch | None:
         """Forget batches up to ``ack``; the oldest unacknowledged batch after it, if any."""
@@ -714,6 +770,7 @@ class TrajectoryQueue:
                 "sequences_served": self.sequences_served,
                 "unacknowledged_batches": len(self._inflight),
                 "redelivered_batches": self.redelivered_batches,
+                "max_staleness": self.max_staleness,
                 "envs": [
                     {
                         "env_id": e["registered_id"],

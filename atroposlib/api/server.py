@@ -271,6 +271,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             retry_after_s=settings.retry_after_s,
             max_envs=settings.max_envs,
         ),
+        max_staleness=settings.max_staleness,
     )
 
     app = FastAPI(

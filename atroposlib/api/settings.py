@@ -80,6 +80,16 @@ class ApiSettings(BaseModel):
         description="Most envs a run can register (disconnected ones count: env ids are never "
         "reused). Past it, /register-env gets 409 until /reset_data.",
     )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=(1 << 62),
+        description="Most steps a group's policy_version may be behind the batch it goes into: "
+        "when the batch of step s is formed, queued groups with s - policy_version greater "
+        'than this are dropped, logged and counted as dropped{reason="stale"} in /metrics '
+        "(1 keeps only groups made by the latest weights the trainer synced). Groups without a "
+        "policy_version are never stale. Unset: no limit (upstream's behaviour).",
+    )
     retry_after_s: int = Field(
         1, ge=0, description="Seconds sent in Retry-After when the queue is full."
     )

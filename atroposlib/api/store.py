@@ -25,12 +25,14 @@ from typing import Any, Protocol
 
 @dataclass(slots=True)
 class StoredGroup:
-    """A group as the queue keeps it: serialised once at ingest, served as-is."""
+    """A group as the queue keeps it: serialised once at ingest, served as-is. Its
+    ``policy_version`` (also in the payload) is kept beside it for the staleness check."""
 
     gid: int
     env_id: int | None
     size: int
     payload: bytes
+    policy_version: int | None = None
 
 
 @dataclass
@@ -119,7 +121,8 @@ CREATE TABLE IF NOT EXISTS groups (
     size INTEGER NOT NULL,
     buffered INTEGER NOT NULL DEFAULT 0,
     payload BLOB NOT NULL,
-    served_step INTEGER
+    served_step INTEGER,
+    policy_version INTEGER
 );
 """
 
@@ -148,6 +151,8 @@ class SqliteStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(groups)")}
         if "served_step" not in columns:  # a store written before acknowledgements existed
             self._db.execute("ALTER TABLE groups ADD COLUMN served_step INTEGER")
+        if "policy_version" not in columns:  # a store written before policy versions existed
+            self._db.execute("ALTER TABLE groups ADD COLUMN policy_version INTEGER")
 
     def _tx(self, statements: list[tuple[str, Any]]) -> None:
         with self._lock:
@@ -181,11 +186,11 @@ class SqliteStore:
             ]
             state = StoredState(meta=meta, envs=envs)
             rows = self._db.execute(
-                "SELECT gid, env_id, size, buffered, payload, served_step FROM groups "
-                "ORDER BY served_step, rowid"
+                "SELECT gid, env_id, size, buffered, payload, served_step, policy_version "
+                "FROM groups ORDER BY served_step, rowid"
             )
-            for gid, env_id, size, buffered, payload, served_step in rows:
-                group = StoredGroup(gid, env_id, size, bytes(payload))
+            for gid, env_id, size, buffered, payload, served_step, version in rows:
+                group = StoredGroup(gid, env_id, size, bytes(payload), version)
                 if served_step is not None:
                     state.inflight.setdefault(served_step, []).append(group)
                 else:
@@ -210,8 +215,12 @@ class SqliteStore:
         self._tx(
             [
                 (
-                    "INSERT INTO groups(gid, env_id, size, buffered, payload) VALUES(?,?,?,?,?)",
-                    [(g.gid, g.env_id, g.size, int(buffered), g.payload) for g in groups],
+                    "INSERT INTO groups(gid, env_id, size, buffered, payload, policy_version) "
+                    "VALUES(?,?,?,?,?,?)",
+                    [
+                        (g.gid, g.env_id, g.size, int(buffered), g.payload, g.policy_version)
+                        for g in groups
+                    ],
                 )
             ]
         )
@@ -221,8 +230,9 @@ class SqliteStore:
             [
                 ("DELETE FROM groups WHERE gid=?", [(gid,) for gid in removed]),
                 (
-                    "INSERT INTO groups(gid, env_id, size, buffered, payload) VALUES(?,?,?,0,?)",
-                    (merged.gid, merged.env_id, merged.size, merged.payload),
+                    "INSERT INTO groups(gid, env_id, size, buffered, payload, policy_version) "
+                    "VALUES(?,?,?,0,?,?)",
+                    (merged.gid, merged.env_id, merged.size, merged.payload, merged.policy_version),
                 ),
             ]
         )

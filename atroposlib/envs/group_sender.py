@@ -3,7 +3,9 @@
 0. (**Build** it from single trajectories, for envs that implement ``collect_trajectory``:
    :func:`group_from_trajectories`.)
 1. **Check** it (:meth:`GroupSender.check_group`): a group that fails is dropped and counted in
-   ``env.drop_counts`` by reason.
+   ``env.drop_counts`` by reason. **Stamp** it: a group without a ``policy_version`` gets the
+   lowest policy version of the servers the rollout's requests went to, each as known when its
+   request started (none when no server reports one, or outside a rollout).
 2. **Record** it: the W&B rollout table, the JSONL file of ``data_path_to_save_groups``.
 3. **Send** it, stamped with ``env_id``: concurrent sends are coalesced into one
    ``/scored_data_list`` request (at most ``MAX_GROUPS_PER_POST`` groups); a combined request
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from atroposlib.envs.sending import ApiRefused, UnknownEnvError, encode_json_body
+from atroposlib.envs.server_handling.policy_version import rollout_policy_version
 from atroposlib.schema import ITEM_KEYS, REQUIRED_KEYS, ScoredDataGroup, ScoredDataItem
 from atroposlib.type_definitions import Item
 
@@ -46,8 +49,9 @@ def group_from_trajectories(
     """``(group, backlog)`` from the ``(ScoredDataItem | None, backlog)`` pairs that
     ``collect_trajectory`` calls returned: ``tokens``, ``masks``, ``scores`` of the items that
     are not None, each optional per-sequence key that every item has (so lists stay aligned
-    with ``tokens``), and the items' ``group_overrides`` merged, with ``group_size`` set to the
-    number of items when that is not ``group_size``. The group is None when no item came back.
+    with ``tokens``), the lowest ``policy_version`` of the items that set one, and the items'
+    ``group_overrides`` merged, with ``group_size`` set to the number of items when that is not
+    ``group_size``. The group is None when no item came back.
 
     Raises:
         ValueError: A result is not such a pair.
@@ -81,6 +85,9 @@ def group_from_trajectories(
         values = [it.get(key) for it in items]
         if all(v is not None for v in values):
             group[key] = values
+    versions = [it["policy_version"] for it in items if it.get("policy_version") is not None]
+    if versions:
+        group["policy_version"] = min(versions)
     overrides: dict[str, Any] = {}
     for it in items:
         overrides.update(it.get("group_overrides") or {})
@@ -115,6 +122,7 @@ class GroupSender:
         was_list = isinstance(scored_data, list)
         groups = scored_data if was_list else [scored_data]
         valid: list[ScoredDataGroup] = []
+        version = rollout_policy_version()
         for group in groups:
             if group is None:
                 continue
@@ -122,6 +130,8 @@ class GroupSender:
             if reason is not None:
                 env.drop_counts[reason] += 1
                 continue
+            if version is not None and group.get("policy_version") is None:
+                group["policy_version"] = version
             for key in ("ref_logprobs", "overrides", "group_overrides"):
                 group.setdefault(key, None)
             group.setdefault("distill_token_ids", None)

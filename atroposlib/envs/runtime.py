@@ -13,8 +13,11 @@ and wakes at once when a rollout finishes; on each pass it
 
 A rollout (``handle_env``) runs ``collect_trajectories`` and ``postprocess_histories``, then
 ``handle_send_to_api`` and ``cleanup``; one that raises is retried ``rollout_retries`` times,
-then dropped as ``error`` with its traceback. The decisions themselves are pure functions in
-:mod:`atroposlib.envs.throttle`. Every env hook is called through ``env.``, so overrides apply.
+then dropped as ``error`` with its traceback. Each rollout collects the policy versions of the
+servers its requests went to (:mod:`~atroposlib.envs.server_handling.policy_version`); the
+group sender stamps the lowest on groups that carry no ``policy_version`` of their own. The
+decisions themselves are pure functions in :mod:`atroposlib.envs.throttle`. Every env hook is
+called through ``env.``, so overrides apply.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from atroposlib.envs import throttle
 from atroposlib.envs.config import EvalHandlingEnum
+from atroposlib.envs.server_handling.policy_version import end_rollout, start_rollout
 from atroposlib.type_definitions import Item
 
 if TYPE_CHECKING:
@@ -271,7 +275,15 @@ class ServeLoop:
             await env.wandb_log({})
 
     async def handle_env(self, item_uuid: str) -> Any:
-        """``handle_env``: collect, postprocess, send and clean up one running item."""
+        """``handle_env``: collect, postprocess, send and clean up one running item (with the
+        policy versions of its requests collected, for the group sender to stamp)."""
+        token = start_rollout()
+        try:
+            return await self._handle_env(item_uuid)
+        finally:
+            end_rollout(token)
+
+    async def _handle_env(self, item_uuid: str) -> Any:
         env = self.env
         entry = env.running_items.get(item_uuid)
         if entry is None:

@@ -106,6 +106,14 @@ class ServeSettings(BaseModel):
         "compiler; the first start compiles for 2-3 minutes (later starts reuse torch's "
         "on-disk cache).",
     )
+    policy_version: int = Field(
+        0,
+        ge=0,
+        le=(1 << 63) - 1,
+        description="Policy version (trainer step) of the weights served at start, reported at "
+        "GET /policy_version; each /reload_weights sets it (its body's policy_version, else "
+        "+1). Set it to the step of a checkpoint given as --model.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the server and uvicorn."
     )
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=loopback_hosts(args.host, split_names(args.allowed_hosts)),
         cors_origins=tuple(split_names(args.cors_allow_origin)),
+        policy_version=args.policy_version,
     )
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -2,8 +2,15 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /health``, ``POST /generate`` (vLLM's token-level endpoint used by
-upstream's ``VLLMServer``) and ``POST /reload_weights``. Every error body has OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+upstream's ``VLLMServer``), ``POST /reload_weights`` and ``GET /policy_version``. Every error
+body has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Policy version: the trainer step whose weights are served (``{"policy_version": N}`` at
+``GET /policy_version``, also in ``/health``). It starts at ``--policy-version`` (default 0);
+``/reload_weights`` sets it to the ``policy_version`` of its body, or adds 1 when the body has
+none, and the new value is reported once the new weights serve requests (never before), so a
+client that reads it before sending a request never claims newer weights than the ones that
+answer it. Environments stamp their groups with it (see ``docs/compat.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,6 +56,7 @@ from atroposlib.inference.protocol import (
     ReloadRequest,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
+from atroposlib.schema import PolicyVersion
 from atroposlib.utils.http_security import HttpSecurityMiddleware, replay_body
 
 logger = logging.getLogger(__name__)
@@ -114,6 +123,8 @@ class ServerState:
     created: int = 0
     reload_lock: asyncio.Lock | None = None
     last_reload: dict[str, Any] | None = None
+    policy_version: int = 0
+    """The trainer step whose weights are served (``GET /policy_version``)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body read; larger ones get 413 (``--max-request-bytes``)."""
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -156,6 +167,17 @@ class ServerState:
         if chars <= INLINE_TOKENIZE_CHARS:
             return fn(*args)
         return await asyncio.wrap_future(self.tokenize_pool.submit(fn, *args))
+
+
+class ReloadBody(ReloadRequest):
+    """``POST /reload_weights``: the checkpoint folder, and optionally the policy version (the
+    trainer step) its weights are; without one the served version goes up by 1."""
+
+    policy_version: PolicyVersion | None = Field(
+        default=None,
+        description="Trainer step of these weights, reported at GET /policy_version once they "
+        "are live. Default: the current version + 1.",
+    )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -221,6 +243,7 @@ def create_app(state: ServerState) -> FastAPI:
             "status": "ok" if engine.healthy else "unavailable",
             "model": state.served_model_names[0],
             "weights_version": engine.weights_version,
+            "policy_version": state.policy_version,
             "decode_path": engine.decode_path,
             "paused": engine.paused,
             **engine.load(),
@@ -412,12 +435,18 @@ def create_app(state: ServerState) -> FastAPI:
         """``{"is_paused": bool}``, as vLLM."""
         return {"is_paused": state.engine.paused}
 
+    @app.get("/policy_version")
+    async def policy_version() -> dict[str, int]:
+        """``{"policy_version": N}``: the trainer step whose weights serve requests now."""
+        return {"policy_version": state.policy_version}
+
     @app.post("/reload_weights")
-    async def reload_weights(body: ReloadRequest) -> dict[str, Any]:
+    async def reload_weights(body: ReloadBody) -> dict[str, Any]:
         """Load new weights from a checkpoint folder and swap them in without a restart.
 
         Sequences already generating finish on the old weights; requests that arrive meanwhile
-        wait and then run on the new ones. The reply comes once the new weights are live.
+        wait and then run on the new ones. The reply comes once the new weights are live; so
+        does the new ``policy_version`` (the body's, else the current one + 1).
         """
         path = Path(body.path).expanduser()
         if not (path / "config.json").is_file():
@@ -439,11 +468,15 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, str(exc), param="path") from exc
             info = await asyncio.wrap_future(future)
             state.model_source = str(path)
+            state.policy_version = (
+                body.policy_version if body.policy_version is not None else state.policy_version + 1
+            )
             state.last_reload = {
                 "status": "ok",
                 "model": state.served_model_names[0],
                 "path": str(path),
                 "weights_version": info.weights_version,
+                "policy_version": state.policy_version,
                 "requested_at": requested,
                 "live_at": info.live_at,
                 "load_seconds": round(load_seconds, 3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from example_trainer.data import (
     sample_temperature,
 )
 from example_trainer.loss import grpo_loss, token_logprobs
+from example_trainer.metrics import TrainingLogger, staleness_metrics
 
 # ------------------------------------------------------------------------------------ loss
 
@@ -230,6 +232,32 @@ def test_zero_advantage_rows_are_skipped_but_still_counted() -> None:
     assert batch.num_sequences == 8 and batch.num_tokens == 2 * (1 + 2 + 3 + 4)
     nothing = prepare_batch([flat], micro_batch_size=8, skip_zero_advantage=True)
     assert nothing.micro_batches == [] and nothing.flat_groups == 1
+
+
+@pytest.mark.parametrize("upstream_padding", [False, True])
+def test_batch_keeps_each_groups_policy_version(upstream_padding: bool) -> None:
+    groups = [_group(policy_version=3), _group(), _group(policy_version=5)]
+    batch = prepare_batch(groups, micro_batch_size=4, upstream_padding=upstream_padding)
+    assert batch.policy_versions == [3, None, 5]
+
+
+def test_staleness_is_steps_behind_the_batch(tmp_path: Path) -> None:
+    assert staleness_metrics([3, None, 5], step=6) == {
+        "versioned_group_fraction": pytest.approx(2 / 3),
+        "staleness_mean": 2.0,
+        "staleness_max": 3.0,
+    }
+    assert staleness_metrics([5, 5], step=6)["staleness_max"] == 1.0  # latest weights: 1
+    assert staleness_metrics([None, None], step=6) == {"versioned_group_fraction": 0.0}
+    # logged with the step's other metrics
+    log = TrainingLogger(10, 0, tmp_path / "metrics.jsonl", progress=False)
+    log.log(
+        6,
+        {"loss": 0.1, "reward_mean": 0.5, "sync_seconds": 0.0, **staleness_metrics([4, 5], 6)},
+    )
+    log.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (record["step"], record["staleness_mean"], record["staleness_max"]) == (6, 1.5, 2.0)
 
 
 def _sample_batch(vocab: int) -> list[dict]:

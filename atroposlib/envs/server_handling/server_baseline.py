@@ -5,8 +5,9 @@
 * ``ReasoningConfig``: how "thinking" options are injected into chat requests per provider.
 * ``AsyncSemWithAdaptiveWeight``: the weighted semaphore that rations one server's concurrency
   between environments.
-* ``APIServer``: the abstract client. It owns the semaphores, the health loop, retries and the
-  timing metrics; subclasses implement the ``_*_wrapper`` methods that talk to a backend.
+* ``APIServer``: the abstract client. It owns the semaphores, the health loop, retries, the
+  timing metrics and the server's policy version (:mod:`.policy_version`); subclasses implement
+  the ``_*_wrapper`` methods that talk to a backend.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tenacity import (
     stop_after_attempt,
     wait_random_exponential,
 )
+
+from atroposlib.envs.server_handling import policy_version as _policy
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +335,9 @@ class APIServer(ABC):
        the server's queue until it resumes, so environments only ever see whole samples, all
        drawn from the weights that were live when they ran,
     6. records the request time and attempt count in bounded buffers
-       (``rolling_buffer_length`` entries) reported by ``wandb_metrics``.
+       (``rolling_buffer_length`` entries) reported by ``wandb_metrics``,
+    7. inside a rollout, records the server's policy version as known when the request
+       started (``GET /policy_version``, cached; see :mod:`.policy_version`).
 
     Subclasses implement ``_chat_completion_wrapper``, ``_completion_wrapper``,
     ``_tokens_and_logprobs_completion_wrapper`` (returning ``(prompt_tokens, output_tokens,
@@ -466,8 +471,26 @@ class APIServer(ABC):
         else:
             await self._completion_wrapper(model=self.config.model_name, prompt="hi", max_tokens=1)
 
+    def _policy_tracker(self) -> _policy.PolicyVersionTracker:
+        tracker = getattr(self, "_policy_versions", None)  # subclasses may skip __init__
+        if tracker is None:
+            base = getattr(self.config, "base_url", None)
+            root = server_root(base) if base else None
+            tracker = _policy.PolicyVersionTracker(root, getattr(self.config, "api_key", None))
+            self._policy_versions = tracker
+        return tracker
+
+    @property
+    def policy_version(self) -> int | None:
+        """The server's policy version as last learned (None: unknown or not reported)."""
+        tracker = getattr(self, "_policy_versions", None)
+        return tracker.value if tracker is not None else None
+
     async def close(self) -> None:
         """Stop the health loop (subclasses also close their HTTP clients)."""
+        tracker = getattr(self, "_policy_versions", None)
+        if tracker is not None:
+            await tracker.aclose()
         if self.check_task is not None:
             self.check_task.cancel()
             try:
@@ -559,6 +582,8 @@ class APIServer(ABC):
     async def _run(self, wrapper: Any, split: str, kwargs: dict[str, Any]) -> Any:
         """One backend call; a generation the server aborted is run again (see the class
         docstring)."""
+        if _policy.collecting():
+            _policy.record(await self._policy_tracker().current())
         for _ in range(self.abort_retries):
             result = await self._run_once(wrapper, split, kwargs)
             if not _was_aborted(result):
