@@ -244,6 +244,7 @@ def train(
         wandb_run=run,
     )
     sync = make_weight_sync(config)
+    sync.attach(model)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
     try:

@@ -64,6 +64,10 @@ class WeightSync:
         ``policy_version`` (the trainer step of those weights; 0 for the base model)."""
         self.policy_version = policy_version
 
+    def attach(self, model: Any) -> None:
+        """The model being trained, for strategies that send its tensors directly (the others
+        ignore it)."""
+
     def sync(self, checkpoint: Path, policy_version: int | None = None) -> float:
         """Make the inference server serve ``checkpoint``, the weights of trainer step
         ``policy_version``; returns the seconds it took."""

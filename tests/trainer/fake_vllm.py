@@ -12,8 +12,13 @@ routes the in-place reload uses, as vLLM 0.32 does: ``POST /pause?mode=``, ``/re
 else HTTP 500; afterwards ``/v1/models`` reports it as ``root``), ``/reset_prefix_cache``,
 ``/update_weight_version {"new_version"}``, ``GET /weight_info`` and ``/is_paused``; without dev
 mode those answer 404. Launched with ``--middleware`` it answers ``GET /policy_version`` as
-``example_trainer/vllm_plugins/atropos_policy_version.py`` does. Every such call appends
-``{"path", "query", "body"}`` to ``$FAKE_VLLM_CALLS`` when set.
+``example_trainer/vllm_plugins/atropos_policy_version.py`` does. Launched with
+``--weight-transfer-config`` it speaks vLLM's weight-transfer protocol with gloo standing in for
+NCCL (one worker): ``GET /get_world_size``, ``POST /init_weight_transfer_engine`` (joins the
+trainer's group at ``master_address:master_port`` as rank ``rank_offset``),
+``/start_weight_update``, ``/update_weights`` (receives one broadcast per parameter, in order,
+and records each tensor's sum), ``/finish_weight_update {"weight_version"}``. Every such call
+appends ``{"path", "query", "body"}`` (plus ``"received"``) to ``$FAKE_VLLM_CALLS`` when set.
 """
 
 import argparse
@@ -32,9 +37,10 @@ parser.add_argument("--served-model-name", default=None)
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=8000)
 parser.add_argument("--middleware", action="append", default=[])
+parser.add_argument("--weight-transfer-config", default=None)
 args, _ = parser.parse_known_args()
 DEV = os.environ.get("VLLM_SERVER_DEV_MODE") == "1" and not os.environ.get("FAKE_VLLM_NO_RL")
-state = {"model": args.model, "weight_version": "default", "paused": False}
+state = {"model": args.model, "weight_version": "default", "paused": False, "group": None}
 
 if os.environ.get("FAKE_VLLM_FAIL"):
     print("fake vllm: CUDA out of memory (simulated)", flush=True)
@@ -62,10 +68,33 @@ with open(os.environ["FAKE_VLLM_RECORD"], "a") as record:
 time.sleep(float(os.environ.get("FAKE_VLLM_DELAY", "0")))
 
 
-def _record_call(path: str, query: dict, body: dict) -> None:
+def _record_call(path: str, query: dict, body: dict, **extra: object) -> None:
     if os.environ.get("FAKE_VLLM_CALLS"):
         with open(os.environ["FAKE_VLLM_CALLS"], "a") as calls:
-            calls.write(json.dumps({"path": path, "query": query, "body": body}) + "\n")
+            calls.write(json.dumps({"path": path, "query": query, "body": body, **extra}) + "\n")
+
+
+def _join_group(info: dict) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore(
+        info["master_address"], info["master_port"], info["world_size"], False, timeout=timeout
+    )
+    state["group"] = dist.ProcessGroupGloo(store, info["rank_offset"], info["world_size"], timeout)
+
+
+def _receive(info: dict) -> dict:
+    import torch
+
+    received = {}
+    for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        state["group"].broadcast(tensor, 0).wait()
+        received[name] = float(tensor.double().sum())
+    return received
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -93,6 +122,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"weight_version": state["weight_version"]})
         elif path == "/is_paused" and DEV:
             self._send(200, {"is_paused": state["paused"]})
+        elif path == "/get_world_size" and DEV:
+            self._send(200, {"world_size": 1})
         else:
             self._send(404, {"detail": "Not Found"})
 
@@ -123,6 +154,20 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/update_weight_version":
             state["weight_version"] = body["new_version"]
             self._send(200, {"success": True, "new_version": body["new_version"]})
+        elif url.path == "/init_weight_transfer_engine" and args.weight_transfer_config:
+            _join_group(body["init_info"])
+            self._send(200, {"message": "Weight transfer initialized"})
+        elif url.path == "/start_weight_update" and state["group"] is not None:
+            self._send(200, {"message": "Weight update started"})
+        elif url.path == "/update_weights" and state["group"] is not None:
+            received = _receive(body["update_info"])
+            _record_call("/update_weights (received)", {}, {}, received=received)
+            self._send(200, {"message": "Weights updated"})
+        elif url.path == "/finish_weight_update" and state["group"] is not None:
+            if body.get("weight_version") is not None:
+                state["weight_version"] = body["weight_version"]
+            state["model"] = "transferred"
+            self._send(200, {"message": "Weight update finished"})
         else:
             self._send(404, {"detail": "Not Found"})
 

@@ -382,3 +382,94 @@ def test_atropos_serve_reload_carries_the_policy_version(
         assert sync.last_reply["path"] == str(tiny_model_dir.resolve())
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------ NCCL path (gloo)
+
+
+def test_weight_transfer_broadcasts_the_trainers_parameters(tmp_path: Path) -> None:
+    """vLLM's weight-transfer protocol end to end against the stand-in, gloo standing in for
+    NCCL: group set-up at start, then per sync start/update/finish with one broadcast per
+    parameter, no checkpoint read."""
+    import torch
+
+    from example_trainer.weight_transfer import GlooTransport, VLLMWeightTransfer
+
+    port = free_port()
+    sync = _strategy(VLLMWeightTransfer, tmp_path, port, transport=GlooTransport(timeout=60))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    sync.attach(model)
+    sync.start("base-model", policy_version=0)
+    try:
+        argv = _lines(tmp_path / "launches.jsonl")[0]["argv"]
+        assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+        assert sync.connected
+        (init,) = _lines(tmp_path / "calls.jsonl")
+        assert init["path"] == "/init_weight_transfer_engine"
+        info = init["body"]["init_info"]
+        assert (info["rank_offset"], info["world_size"], info["packed"]) == (1, 2, False)
+
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        seconds = sync.sync(tmp_path / "step_1-never-read", policy_version=1)
+        assert seconds > 0 and sync.policy_version == 1
+        calls = _lines(tmp_path / "calls.jsonl")[1:]
+        assert [c["path"] for c in calls] == [
+            "/pause",
+            "/start_weight_update",
+            "/update_weights",
+            "/update_weights (received)",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+            "/resume",
+        ]
+        names = [name for name, _ in model.named_parameters()]
+        assert calls[2]["body"]["update_info"] == {
+            "names": names,
+            "dtype_names": ["float32"] * len(names),
+            "shapes": [list(p.shape) for p in model.parameters()],
+        }
+        expected = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
+        assert calls[3]["received"] == pytest.approx(expected)
+        assert calls[4]["body"] == {"weight_version": "1"}
+        assert _served(port) == ("transferred", 1)
+
+        sync.send_dtype = "bfloat16"  # half the bytes for a bf16 server
+        sync.sync(tmp_path / "step_2-never-read", policy_version=2)
+        sent = _lines(tmp_path / "calls.jsonl")[-5]
+        assert sent["body"]["update_info"]["dtype_names"] == ["bfloat16"] * len(names)
+        assert _served(port) == ("transferred", 2)
+    finally:
+        sync.close()
+
+
+def test_weight_transfer_without_a_model_reloads_the_checkpoint(tmp_path: Path) -> None:
+    from example_trainer.weight_transfer import GlooTransport, VLLMWeightTransfer
+
+    port = free_port()
+    sync = _strategy(VLLMWeightTransfer, tmp_path, port, transport=GlooTransport(timeout=60))
+    sync.start("base-model", policy_version=0)
+    try:
+        step_1 = _checkpoint(tmp_path / "step_1")
+        sync.sync(step_1, policy_version=1)
+        assert "/collective_rpc" in [c["path"] for c in _lines(tmp_path / "calls.jsonl")]
+        assert _served(port) == (str(step_1.resolve()), 1)
+    finally:
+        sync.close()
+
+
+def test_nccl_setting_builds_the_transfer_launch(tmp_path: Path) -> None:
+    from example_trainer.weight_transfer import VLLMNcclTransport, VLLMWeightTransfer
+
+    config = TrainingConfig(
+        model_name="m", save_path=str(tmp_path), weight_sync="nccl", vllm_python="/venv/bin/python"
+    )
+    sync = make_weight_sync(config)
+    assert isinstance(sync, VLLMWeightTransfer)
+    assert isinstance(sync.transport, VLLMNcclTransport)
+    argv = sync.command("/ckpt/base")
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[-2:] == ["--weight-transfer-config", '{"backend": "nccl"}']
+    assert "--middleware" in argv
+    env = sync.launch_env(0)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["ATROPOS_POLICY_VERSION"] == "0"
