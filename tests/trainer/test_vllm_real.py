@@ -202,8 +202,9 @@ def test_requests_in_flight_during_an_in_place_sync_all_finish(
     from atroposlib.envs.server_handling.openai_server import OpenAIServer
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 
-    tokens = 48
+    tokens = 96
     results: list[tuple[str, int, str | None, int]] = []
+    ended: dict[str, float] = {}
     lock = threading.Lock()
 
     def raw(tag: str) -> None:
@@ -231,6 +232,7 @@ def test_requests_in_flight_during_an_in_place_sync_all_finish(
             entry = (tag, 0, repr(exc), 0)
         with lock:
             results.append(entry)
+            ended[tag] = time.monotonic()
 
     async def through_env_client(count: int) -> list:
         client = OpenAIServer(
@@ -263,7 +265,9 @@ def test_requests_in_flight_during_an_in_place_sync_all_finish(
     late = [threading.Thread(target=raw, args=(f"late {i}",)) for i in range(4)]
     timer = threading.Timer(0.05, lambda: [t.start() for t in late])  # arrive during the sync
     timer.start()
+    sync_started = time.monotonic()
     seconds = server.sync(checkpoints["paths"][2], policy_version=2)
+    sync_ended = time.monotonic()
     for thread in [*early, *late, env_thread]:
         thread.join(300)
     REPORT["in_flight_sync_seconds"] = round(seconds, 2)
@@ -272,13 +276,23 @@ def test_requests_in_flight_during_an_in_place_sync_all_finish(
         "raw": len(results),
         "raw_ok": sum(1 for _, status, reason, n in results if status == 200 and n == tokens),
         "env_client_completions": len(env_results),
+        "early_still_generating_at_sync": sum(
+            1 for tag, t in ended.items() if tag.startswith("early") and t > sync_started
+        ),
+        "late_answered_after_sync": sum(
+            1 for tag, t in ended.items() if tag.startswith("late") and t > sync_ended
+        ),
     }
     assert len(results) == 10, results
     assert all(status == 200 for _, status, _, _ in results), results
     assert all(reason == "length" and n == tokens for _, _, reason, n in results), results
     assert len(env_results) == 2
     assert all(len(c.choices) == 2 for c in env_results)
-    assert all(ch.finish_reason == "length" for c in env_results for ch in c.choices)
+    assert all(ch.finish_reason in ("stop", "length") for c in env_results for ch in c.choices)
+    # the sync really overlapped generation: requests were in flight when it began, and the
+    # ones sent during it were answered after it
+    assert REPORT["in_flight_requests"]["early_still_generating_at_sync"] > 0, ended
+    assert REPORT["in_flight_requests"]["late_answered_after_sync"] == len(late), ended
     REPORT["logprob_max_abs_diff_after_in_flight"] = round(
         _check_serves(server, checkpoints, 2, 2), 4
     )
