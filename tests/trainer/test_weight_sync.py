@@ -473,3 +473,57 @@ def test_nccl_setting_builds_the_transfer_launch(tmp_path: Path) -> None:
     assert "--middleware" in argv
     env = sync.launch_env(0)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["ATROPOS_POLICY_VERSION"] == "0"
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+
+def test_trainer_syncs_vllm_in_place_with_its_step_as_version(
+    tmp_path: Path, start_api, tiny_model_dir: Path
+) -> None:
+    """``atropos-grpo --inference vllm`` (default ``--weight-sync reload``) end to end, with the
+    stand-in ``vllm`` package: one launch at version 0, then each sync reloads ``step_N`` in
+    place and sets version N."""
+    import subprocess
+
+    from tests.trainer.test_end_to_end import ENV, _metrics, _tokenized_groups, _trainer_cmd
+
+    package = tmp_path / "fakepkg" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(
+        f"import runpy\nrunpy.run_path({str(FAKE)!r}, run_name='__main__')\n"
+    )
+    api = start_api()
+    for group in _tokenized_groups(6):
+        assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
+    port = free_port()
+    argv = ["--training-steps", "3", "--inference", "vllm", "--vllm-port", str(port)]
+    argv += ["--weight-sync-interval", "1", "--served-model-name", "policy"]
+    result = subprocess.run(
+        _trainer_cmd(tiny_model_dir, api.url, tmp_path / "ckpt", *argv),
+        capture_output=True,
+        text=True,
+        env={
+            **ENV,
+            "PYTHONPATH": str(tmp_path / "fakepkg"),
+            "FAKE_VLLM_RECORD": str(tmp_path / "launches.jsonl"),
+            "FAKE_VLLM_CALLS": str(tmp_path / "calls.jsonl"),
+        },
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (launch,) = _lines(tmp_path / "launches.jsonl")
+    assert Path(launch["model"]).name == tiny_model_dir.name
+    assert launch["env"]["ATROPOS_POLICY_VERSION"] == "0"
+    calls = _lines(tmp_path / "calls.jsonl")
+    reloaded = [
+        Path(c["body"]["kwargs"]["weights_path"]).name
+        for c in calls
+        if c["path"] == "/collective_rpc"
+    ]
+    versions = [c["body"]["new_version"] for c in calls if c["path"] == "/update_weight_version"]
+    # the vLLM the trainer launched stops with it: no sync after the last step
+    assert reloaded == ["step_1", "step_2"] and versions == ["1", "2"]
+    assert [m["reload_seconds"] > 0 for m in _metrics(tmp_path / "ckpt")] == [True, True, False]
