@@ -5,9 +5,12 @@ Starts ``run-api`` and ``atropos-serve`` as child processes, queues real tokeniz
 data, then runs the GRPO trainer with a hot reload of the server after every step. Reports
 per step: trainer tokens/s (all tokens of the batch over the forward+backward+optimizer time),
 checkpoint save time, and the reload call (``POST /reload_weights``, until the new weights are
-live). With ``--vllm-python`` it also measures one real vLLM restart on the last checkpoint
-(stop, relaunch with the same served name, wait for ``/health``), as the trainer's vLLM path
-does it.
+live). With ``--vllm-python`` it also times, on one real vLLM in the same run, the trainer's two
+vLLM paths onto the last checkpoint: ``--vllm-syncs`` in-place reloads (``VLLMReload``: pause,
+``reload_weights`` through ``/collective_rpc``, version, resume; alternating the checkpoint and
+the base model so every sync changes the weights) and one restart (stop, relaunch with the same
+served name, wait for ``/health``). Both exclude the checkpoint save, which the trainer's
+``save_seconds`` reports.
 
     python bench/trainer_bench.py --steps 4
     python bench/trainer_bench.py --steps 2 --vllm-python /tmp/vllm-venv/bin/python
@@ -31,7 +34,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from example_trainer.inference_process import ChildProcess, VLLMRestart, vllm_command  # noqa: E402
+from example_trainer.inference_process import ChildProcess  # noqa: E402
+from example_trainer.weight_sync import VLLMReload, vllm_command  # noqa: E402
 
 
 def _port() -> int:
@@ -70,8 +74,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--serve-dtype", default="auto")
     parser.add_argument(
-        "--vllm-python", default=None, help="also time one real vLLM restart with this python"
+        "--vllm-python",
+        default=None,
+        help="also time vLLM in-place syncs and one restart with this python",
     )
+    parser.add_argument("--vllm-syncs", type=int, default=4, help="in-place syncs to time")
     parser.add_argument("--json", default=None, help="write the summary here too")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,27 +168,42 @@ def main() -> None:
     if args.vllm_python:
         checkpoint = work / "ckpt" / f"step_{args.steps}"
         port = _port()
-        restart = VLLMRestart(
+        vllm = VLLMReload(
             lambda model: vllm_command(
                 model,
                 served_model_name="policy",
                 port=port,
                 python=args.vllm_python,
-                extra_args=["--max-model-len", "2048"],
+                extra_args=["--dtype", "bfloat16", "--max-model-len", "2048"],
             ),
             f"http://127.0.0.1:{port}",
             work / "vllm.log",
             startup_timeout=900,
             served_model_name="policy",
             env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+            fallback_to_restart=False,
         )
         try:
             first = time.monotonic()
-            restart.start(str(model_dir))
+            vllm.start(str(model_dir), policy_version=0)
             summary["vllm_first_start_seconds"] = round(time.monotonic() - first, 1)
-            summary["vllm_restart_seconds"] = round(restart.sync(checkpoint), 1)
+            in_place = []
+            for i in range(args.vllm_syncs):
+                target = checkpoint if i % 2 == 0 else Path(model_dir)
+                in_place.append(vllm.sync(target, policy_version=i + 1))
+            summary["vllm_in_place_sync_seconds"] = round(statistics.median(in_place), 2)
+            summary["vllm_in_place_sync_all"] = [round(x, 2) for x in in_place]
+            summary["vllm_in_place_steps_last"] = {
+                k: round(v, 3) for k, v in vllm.last_steps.items()
+            }
+            summary["vllm_restart_seconds"] = round(
+                vllm.restart(checkpoint, policy_version=args.vllm_syncs + 1), 1
+            )
+            summary["vllm_policy_version_after"] = httpx.get(
+                vllm.url + "/policy_version", timeout=10
+            ).json()["policy_version"]
         finally:
-            restart.close()
+            vllm.close()
 
     shutil.rmtree(work / "ckpt", ignore_errors=True)  # ~1.5 GB of checkpoints; logs stay
     summary["logs"] = str(work)

@@ -156,18 +156,28 @@ class TrainingConfig(BaseModel):
     )
 
     # --- inference weight sync --------------------------------------------------------------
-    inference: Literal["vllm", "atropos-serve", "none"] = Field(
+    inference: Literal["vllm", "atropos-serve", "sglang", "none"] = Field(
         default="vllm",
         description="How the inference server gets new weights. vllm: the trainer launches "
-        "`python -m vllm.entrypoints.openai.api_server` and restarts it on each new checkpoint "
-        "(upstream). atropos-serve: the server at inference_url reloads each checkpoint "
-        "in place (POST /reload_weights). none: only checkpoints are written.",
+        "`python -m vllm.entrypoints.openai.api_server` and syncs it as weight_sync says. "
+        "atropos-serve: the server at inference_url reloads each checkpoint in place (POST "
+        "/reload_weights). sglang: the SGLang server at inference_url loads each checkpoint in "
+        "place (POST /update_weights_from_disk). none: only checkpoints are written.",
+    )
+    weight_sync: Literal["reload", "restart", "nccl"] = Field(
+        default="reload",
+        description="How the vLLM the trainer launches gets each checkpoint (inference=vllm). "
+        "reload: in place, no restart (vLLM's reload_weights through /collective_rpc between "
+        "/pause and /resume, with VLLM_SERVER_DEV_MODE=1); falls back to restart if the vLLM "
+        "lacks those endpoints. restart: stop vLLM and launch it on the checkpoint (upstream; "
+        "any vLLM version). nccl: the trainer broadcasts its weights to vLLM's workers over "
+        "NCCL (vLLM's weight-transfer API; GPUs only, no checkpoint read back).",
     )
     weight_sync_interval: int = Field(
         default=3,
         ge=1,
         validation_alias=AliasChoices("weight_sync_interval", "vllm_restart_interval"),
-        description="Steps between weight syncs (vLLM restart or atropos-serve reload); the "
+        description="Steps between weight syncs (vLLM reload or restart, server reload); the "
         "last step always syncs. Upstream's name vllm_restart_interval is accepted.",
     )
     pause_generation: bool = Field(
@@ -175,7 +185,7 @@ class TrainingConfig(BaseModel):
         description="Pause the inference server while the trainer computes a step and syncs "
         "(POST /pause ... /resume; atropos-serve and vLLM's RL endpoints): generation and "
         "training take turns on the same cores. For one small machine; on separate machines "
-        "leave it off (inference=atropos-serve only).",
+        "leave it off (inference=atropos-serve, or vllm with weight_sync reload or nccl).",
     )
     pause_mode: Literal["abort", "keep", "wait"] = Field(
         default="abort",
@@ -190,7 +200,8 @@ class TrainingConfig(BaseModel):
     )
     inference_url: str = Field(
         default="http://127.0.0.1:9001",
-        description="atropos-serve's base URL (inference=atropos-serve).",
+        description="Base URL of the server the trainer does not launch (inference=atropos-serve "
+        "or sglang).",
     )
     vllm_port: int = Field(default=9001, ge=1, le=65535, description="Port vLLM listens on.")
     vllm_host: str = Field(default="127.0.0.1", description="Address vLLM binds.")

@@ -2,7 +2,8 @@
 
 The loop: register with run-api, then for each step pull a batch, compute the GRPO loss over
 its micro-batches, take an AdamW step, and every ``weight_sync_interval`` steps save
-``step_N`` and get the inference server onto it (restart vLLM, or hot-reload atropos-serve).
+``step_N`` and get the inference server onto it (reload or restart vLLM, hot-reload
+atropos-serve or SGLang; ``example_trainer/weight_sync.py``).
 
     atropos-grpo --model SmolLM2-135M-Instruct --inference atropos-serve \\
         --inference-url http://127.0.0.1:9001 --training-steps 20 --batch-size 4 \\
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from atroposlib.inference.models import resolve_model_source
+from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient
 from example_trainer.checkpoint import (
     latest_resumable,
@@ -37,16 +39,10 @@ from example_trainer.checkpoint import (
 from example_trainer.config import TrainingConfig, load_config
 from example_trainer.data import TrainingBatch, prepare_batch
 from example_trainer.forward import check_fast_path, policy_logprobs
-from example_trainer.inference_process import (
-    AtroposServeReload,
-    InferenceLaunchError,
-    NoSync,
-    VLLMRestart,
-    WeightSync,
-    vllm_command,
-)
+from example_trainer.inference_process import InferenceLaunchError
 from example_trainer.loss import grpo_loss
 from example_trainer.metrics import TrainingLogger, staleness_metrics
+from example_trainer.weight_sync import WeightSync
 
 logger = logging.getLogger("example_trainer")
 
@@ -94,30 +90,8 @@ def make_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.opti
 
 
 def make_weight_sync(config: TrainingConfig) -> WeightSync:
-    """The weight-sync strategy ``config.inference`` names."""
-    if config.inference == "atropos-serve":
-        return AtroposServeReload(config.inference_url)
-    if config.inference == "vllm":
-
-        def build(model: str) -> list[str]:
-            return vllm_command(
-                model,
-                served_model_name=config.model_alias,
-                host=config.vllm_host,
-                port=config.vllm_port,
-                python=config.vllm_python,
-                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                extra_args=config.vllm_extra_args,
-            )
-
-        return VLLMRestart(
-            build,
-            f"http://{config.vllm_host}:{config.vllm_port}",
-            config.vllm_log or config.save_dir() / "logs" / "vllm.log",
-            startup_timeout=config.vllm_startup_timeout,
-            served_model_name=config.model_alias,
-        )
-    return NoSync()
+    """The weight-sync strategy ``config.inference`` (and ``config.weight_sync``) names."""
+    return weight_sync.make_weight_sync(config)
 
 
 def init_wandb(config: TrainingConfig) -> Any | None:
@@ -270,11 +244,12 @@ def train(
         wandb_run=run,
     )
     sync = make_weight_sync(config)
+    sync.attach(model)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
     try:
         log.status("starting the inference server" if config.inference == "vllm" else "")
-        sync.start(start_model)
+        sync.start(start_model, policy_version=step)
         api.register(
             batch_size=config.api_batch_size,
             max_token_len=config.seq_len,
@@ -333,7 +308,7 @@ def train(
                 save_seconds = time.monotonic() - save_started
                 if sync_now:
                     log.status(f"step {step}: weight sync ({sync.description})")
-                    reload_seconds = sync.sync(folder)
+                    reload_seconds = sync.sync(folder, policy_version=step)
                     synced = folder
                 if checkpoint_now or last:  # optimizer state only where resuming needs it
                     save_trainer_state(

@@ -1,6 +1,6 @@
 """Process management and weight sync for the inference server the trainer feeds.
 
-Kept out of the training loop on purpose. Three pieces:
+Kept out of the training loop on purpose. Two pieces:
 
 - ``ChildProcess``: one owned subprocess in its own session (so stopping it also stops whatever
   it spawned, e.g. vLLM's workers), with its log in a file, readiness by polling an HTTP URL,
@@ -11,10 +11,9 @@ Kept out of the training loop on purpose. Three pieces:
   every child still registered (``watch_process_group``), and SIGKILLs what is left after 5 s.
   That works whichever thread started the child (``PR_SET_PDEATHSIG`` fires when the *thread*
   that forked exits, and reaches only the direct child, not its session).
-- Weight sync strategies, all with ``start()``, ``sync(checkpoint) -> seconds`` and ``close()``:
-  ``VLLMRestart`` (upstream: stop vLLM, relaunch it on the new checkpoint under the same served
-  model name, wait for ``/health``), ``AtroposServeReload`` (``POST /reload_weights`` on a
-  running ``atropos-serve``; no restart) and ``NoSync``.
+- The weight-sync strategies (``VLLMRestart``, ``VLLMReload``, ``AtroposServeReload``,
+  ``SGLangReload``, ``NoSync``, ``vllm_command``) moved to ``example_trainer.weight_sync``; they
+  are still importable from here.
 """
 
 from __future__ import annotations
@@ -257,207 +256,22 @@ class ChildProcess:
 
 # ------------------------------------------------------------------------------ weight sync
 
-
-class WeightSync:
-    """How the inference server gets the trainer's new weights."""
-
-    description = "none"
-    outlives_trainer = True
-    """Whether the server keeps running after the trainer exits (worth a final sync)."""
-
-    def start(self, model: str) -> None:
-        """Bring the inference side up serving ``model`` (a folder or model id)."""
-
-    def sync(self, checkpoint: Path) -> float:
-        """Make the inference server serve ``checkpoint``; returns the seconds it took."""
-        return 0.0
-
-    def close(self) -> None:
-        """Stop whatever ``start`` launched."""
-
-    def pause(self, mode: str = "abort") -> None:
-        """Stop the server generating while the trainer computes (where it can)."""
-
-    def resume(self) -> None:
-        """Let the server generate again after :meth:`pause`."""
-
-    def __enter__(self) -> WeightSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+# The weight-sync strategies live in example_trainer.weight_sync; their old import path keeps
+# working (lazily: weight_sync imports ChildProcess from here).
+_WEIGHT_SYNC_NAMES = (
+    "AtroposServeReload",
+    "NoSync",
+    "SGLangReload",
+    "VLLMReload",
+    "VLLMRestart",
+    "WeightSync",
+    "vllm_command",
+)
 
 
-class NoSync(WeightSync):
-    """Checkpoints only; the inference server (if any) is not touched."""
+def __getattr__(name: str):
+    if name in _WEIGHT_SYNC_NAMES:
+        from example_trainer import weight_sync
 
-
-def vllm_command(
-    model: str,
-    *,
-    served_model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 9001,
-    python: str = sys.executable,
-    gpu_memory_utilization: float = 0.45,
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """The argv that launches vLLM's OpenAI server on ``model`` (upstream's flags)."""
-    return [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        served_model_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        "auto",
-        "--gpu-memory-utilization",
-        str(gpu_memory_utilization),
-        *extra_args,
-    ]
-
-
-class VLLMRestart(WeightSync):
-    """Upstream's weight sync: stop the vLLM server, relaunch it on the new checkpoint.
-
-    Args:
-        build_command: ``model -> argv``; normally ``vllm_command`` with the config's flags. The
-            served model name must stay the same across launches so environments keep working.
-        url: the server's base URL (``/health`` is polled there).
-        log_path: vLLM's log file (appended across restarts).
-        startup_timeout: seconds to wait for ``/health`` after each launch.
-        env: extra environment variables for vLLM.
-    """
-
-    description = "vLLM restart"
-    outlives_trainer = False
-
-    def __init__(
-        self,
-        build_command,
-        url: str,
-        log_path: str | os.PathLike[str],
-        *,
-        startup_timeout: float = 600.0,
-        served_model_name: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.build_command = build_command
-        self.url = url.rstrip("/")
-        self.log_path = Path(log_path)
-        self.startup_timeout = startup_timeout
-        self.served_model_name = served_model_name
-        self.env = dict(env or {})
-        self.process: ChildProcess | None = None
-        self.launches = 0
-
-    def start(self, model: str) -> None:
-        """Launch vLLM on ``model`` and wait until it is healthy (and serves the right name)."""
-        self.process = ChildProcess("vllm", self.build_command(model), self.log_path, self.env)
-        self.process.start()
-        self.launches += 1
-        waited = self.process.wait_ready(self.url + "/health", self.startup_timeout)
-        self._check_name()
-        logger.info("vLLM ready on %s after %.1f s (launch %d)", model, waited, self.launches)
-
-    def _check_name(self) -> None:
-        if self.served_model_name is None:
-            return
-        try:
-            models = httpx.get(self.url + "/v1/models", timeout=10).json()
-            names = [entry.get("id") for entry in models.get("data", [])]
-        except (httpx.HTTPError, ValueError) as exc:
-            raise InferenceLaunchError(f"vLLM /v1/models did not answer: {exc}") from exc
-        if self.served_model_name not in names:
-            self.close()
-            raise InferenceLaunchError(
-                f"vLLM serves {names}, not {self.served_model_name!r}; environments would fail"
-            )
-
-    def stop(self) -> None:
-        """Stop the running vLLM (its GPU memory is free once this returns)."""
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def sync(self, checkpoint: Path) -> float:
-        """Stop vLLM, relaunch it on ``checkpoint``, wait for ``/health``; seconds taken."""
-        started = time.monotonic()
-        self.stop()
-        self.start(str(checkpoint))
-        return time.monotonic() - started
-
-    def close(self) -> None:
-        self.stop()
-
-
-class AtroposServeReload(WeightSync):
-    """Hot reload on a running ``atropos-serve``: ``POST {url}/reload_weights {"path": ...}``.
-
-    The reply comes once the new weights are live; requests in flight finish on the old ones.
-    """
-
-    description = "atropos-serve reload"
-
-    def __init__(self, url: str, *, timeout: float = 300.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.last_reply: dict | None = None
-
-    def start(self, model: str) -> None:
-        """Check the server is up (it is started by the user or the quick start, not here)."""
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise InferenceLaunchError(
-                    f"atropos-serve at {self.url} is not healthy; start it first "
-                    "(atropos-serve --model ... --port ...)"
-                )
-            time.sleep(0.5)
-
-    def sync(self, checkpoint: Path) -> float:
-        started = time.monotonic()
-        try:
-            response = httpx.post(
-                self.url + "/reload_weights",
-                json={"path": str(Path(checkpoint).resolve())},
-                timeout=self.timeout,
-            )
-        except httpx.TransportError as exc:
-            raise InferenceLaunchError(f"atropos-serve at {self.url} unreachable: {exc}") from exc
-        if response.status_code != 200:
-            raise InferenceLaunchError(
-                f"atropos-serve refused the reload of {checkpoint}: "
-                f"HTTP {response.status_code} {response.text[:500]}"
-            )
-        self.last_reply = response.json()
-        return time.monotonic() - started
-
-    def pause(self, mode: str = "abort") -> None:
-        """``POST /pause?mode=MODE``: nothing generates until :meth:`resume`."""
-        self._post("/pause", params={"mode": mode})
-
-    def resume(self) -> None:
-        """``POST /resume``."""
-        self._post("/resume")
-
-    def _post(self, path: str, params: dict[str, str] | None = None) -> None:
-        try:
-            response = httpx.post(self.url + path, params=params, timeout=self.timeout)
-        except httpx.TransportError as exc:
-            raise InferenceLaunchError(f"atropos-serve at {self.url} unreachable: {exc}") from exc
-        if response.status_code != 200:
-            raise InferenceLaunchError(
-                f"atropos-serve refused {path}: HTTP {response.status_code} {response.text[:300]}"
-            )
+        return getattr(weight_sync, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

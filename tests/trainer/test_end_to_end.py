@@ -546,6 +546,8 @@ def test_trainer_restarts_vllm_on_each_sync(
             "1",
             "--served-model-name",
             "policy",
+            "--weight-sync",
+            "restart",
         ),
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""vLLM restart process management, against a stand-in server command (tests/trainer/fake_vllm.py)."""
+"""Process management and the vLLM restart, against a stand-in server command
+(tests/trainer/fake_vllm.py). The other weight-sync strategies: test_weight_sync.py."""
 
 from __future__ import annotations
 
@@ -207,3 +208,13 @@ def test_children_die_with_a_sigkilled_owner_whatever_thread_started_them(tmp_pa
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_weight_sync_names_still_import_from_inference_process() -> None:
+    """The strategies moved to example_trainer.weight_sync; the old import path still works."""
+    from example_trainer import inference_process, weight_sync
+
+    for name in ("WeightSync", "NoSync", "VLLMRestart", "AtroposServeReload", "vllm_command"):
+        assert getattr(inference_process, name) is getattr(weight_sync, name)
+    with pytest.raises(AttributeError):
+        _ = inference_process.NotAThing  # type: ignore[attr-defined]
