@@ -1,8 +1,8 @@
 """``atropos-quickstart``: the whole RL loop with one command, on a laptop CPU.
 
 It starts, as child processes it owns: ``run-api``, an inference server (``atropos-serve`` with
-SmolLM2-135M-Instruct by default; ``--inference vllm`` lets the trainer launch and restart vLLM
-instead, for GPU machines), and one environment in ``serve`` mode (``environments/
+SmolLM2-135M-Instruct by default; ``--inference vllm`` lets the trainer launch vLLM and reload
+each checkpoint into it in place instead, for GPU machines), and one environment in ``serve`` mode (``environments/
 arithmetic_server.py`` by default, offline). Then it trains with the GRPO trainer in this
 process, reloading the server's weights after every step, and writes into the output folder:
 
@@ -76,7 +76,7 @@ class QuickstartOptions(BaseModel):
     inference: Literal["atropos-serve", "vllm"] = Field(
         "atropos-serve",
         description="atropos-serve: embedded CPU server, hot weight reload. vllm: the trainer "
-        "launches vLLM and restarts it on each checkpoint (GPU).",
+        "launches vLLM and reloads each checkpoint into it in place (GPU).",
     )
     group_size: int = Field(4, ge=1, description="Completions per prompt.")
     batch_size: int = Field(8, ge=1, description="Sequences per trainer step (whole groups).")
