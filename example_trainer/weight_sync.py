@@ -399,7 +399,27 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-class AtroposServeReload(WeightSync):
+class _RunningServerReload(WeightSync):
+    """A server the user started (not this process) that reloads a checkpoint folder in place
+    over HTTP; subclasses give the request in :meth:`sync`."""
+
+    #: How to start the server, for the error when it is not healthy at :meth:`start`.
+    start_hint = ""
+    #: Seconds one reload request may take (the constructor's default).
+    default_timeout = 300.0
+
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = self.default_timeout if timeout is None else timeout
+        self.last_reply: dict | None = None
+
+    def start(self, model: str, policy_version: int | None = None) -> None:
+        """Check the server is up (it is started by the user or the quick start, not here)."""
+        _wait_healthy(self.url, 60, f"start it first ({self.start_hint})")
+        self.policy_version = policy_version
+
+
+class AtroposServeReload(_RunningServerReload):
     """Hot reload on a running ``atropos-serve``: ``POST {url}/reload_weights {"path": ...}``.
 
     The reply comes once the new weights are live; requests in flight finish on the old ones.
@@ -407,16 +427,7 @@ class AtroposServeReload(WeightSync):
     """
 
     description = "atropos-serve reload"
-
-    def __init__(self, url: str, *, timeout: float = 300.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.last_reply: dict | None = None
-
-    def start(self, model: str, policy_version: int | None = None) -> None:
-        """Check the server is up (it is started by the user or the quick start, not here)."""
-        _wait_healthy(self.url, 60, "start it first (atropos-serve --model ... --port ...)")
-        self.policy_version = policy_version
+    start_hint = "atropos-serve --model ... --port ..."
 
     def sync(self, checkpoint: Path, policy_version: int | None = None) -> float:
         started = time.monotonic()
@@ -449,7 +460,7 @@ class AtroposServeReload(WeightSync):
         _request("POST", self.url + "/resume", "atropos-serve resume", timeout=self.timeout)
 
 
-class SGLangReload(WeightSync):
+class SGLangReload(_RunningServerReload):
     """In-place reload on a running SGLang server: ``POST /update_weights_from_disk``.
 
     Body ``{"model_path": DIR, "weight_version": "N"}`` (SGLang's ``UpdateWeightFromDiskReqInput``;
@@ -460,16 +471,8 @@ class SGLangReload(WeightSync):
     """
 
     description = "SGLang update_weights_from_disk"
-
-    def __init__(self, url: str, *, timeout: float = 600.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.last_reply: dict | None = None
-
-    def start(self, model: str, policy_version: int | None = None) -> None:
-        """Check the server is up (started by the user: ``python -m sglang.launch_server``)."""
-        _wait_healthy(self.url, 60, "start it first (python -m sglang.launch_server ...)")
-        self.policy_version = policy_version
+    start_hint = "python -m sglang.launch_server ..."
+    default_timeout = 600.0
 
     def sync(self, checkpoint: Path, policy_version: int | None = None) -> float:
         started = time.monotonic()
