@@ -1,0 +1,340 @@
+"""From a run description to the processes of a run, independent of where they run.
+
+:func:`plan_run` turns a :class:`~atroposlib.launch.spec.RunSpec` into :class:`Component` s:
+one ``run-api``, each inference server copy, each environment worker, the trainer. A component
+is plain data (it travels to a Ray actor or a Slurm step as JSON): its command, environment,
+config files, health path and resources, with **placeholders** for what is only known once the
+run starts on real nodes:
+
+``{host}`` / ``{port}``
+    the address the component is reached at and the port it listens on (chosen on its node);
+``{bind_host}``
+    the address it binds;
+``{api_url}``, ``{inference_url}``, ``{inference_urls}``
+    the API's URL and the inference servers' root URLs, without ``/v1`` (the first; all,
+    comma-separated);
+``{openai_servers}``
+    (in config files) the list of ``--openai`` server sections, one per inference server;
+``{output}``, ``{name}``, ``{index}``
+    the run's output folder, the component's name and its index among its copies.
+
+:func:`render` fills them in; every backend uses it, so the commands are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from atroposlib.launch.spec import InferenceSpec, RunSpec, RunSpecError
+
+__all__ = ["Component", "RunPlan", "plan_run", "render", "server_entry"]
+
+Role = Literal["api", "inference", "env", "trainer"]
+
+
+class Component(BaseModel):
+    """One process of a run (see the module docstring for the placeholders)."""
+
+    name: str = Field(description="Unique in the run: run-api, policy-0, arithmetic-1, trainer.")
+    role: Role
+    group: str = Field(description="The spec entry it comes from (restarts count per copy).")
+    index: int = 0
+    argv: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    files: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Files written before start: path (under the output folder) -> YAML data.",
+    )
+    health_path: str | None = Field(
+        None, description="GET path that answers 200 when ready (None: running is ready)."
+    )
+    port: int | None = Field(
+        None, description="Port to listen on: None for no port, 0 for a free one."
+    )
+    url_suffix: str = Field("", description="Appended to http://host:port for its URL.")
+    external_url: str | None = Field(None, description="A server the run does not start.")
+    cpus: float = 1.0
+    gpus: float = 0.0
+    max_restarts: int = 0
+    startup_timeout: float = 60.0
+    cwd: str | None = None
+    kind: str = Field("", description="Inference kind (atropos-serve, vllm, sglang, external).")
+    model_name: str = Field("", description="The model name environments ask for (inference).")
+
+
+class RunPlan(BaseModel):
+    """The components of a run, in start order, plus run-wide values."""
+
+    name: str
+    output: str
+    bind_host: str
+    api: Component
+    inference: list[Component]
+    environments: list[Component]
+    trainer: Component | None
+
+    @property
+    def components(self) -> list[Component]:
+        """Every component, in start order."""
+        tail = [self.trainer] if self.trainer is not None else []
+        return [self.api, *self.inference, *self.environments, *tail]
+
+
+_SERVER_TYPE = {"atropos-serve": "vllm", "vllm": "openai", "sglang": "sglang", "external": "openai"}
+
+
+def _python(value: str | None) -> str:
+    return value or sys.executable
+
+
+def _inference_argv(spec: InferenceSpec, run: RunSpec) -> list[str]:
+    python = _python(spec.python)
+    model = spec.model or ""
+    model_path = run.resolve_path(model)
+    if model_path.exists():
+        model = str(model_path)
+    name = spec.model_name
+    if spec.kind == "atropos-serve":
+        argv = [python, "-m", "atroposlib.inference.cli", "--model", model,
+                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
+    elif spec.kind == "vllm":
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
+    else:  # sglang
+        argv = [python, "-m", "sglang.launch_server", "--model-path", model,
+                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
+    return argv + list(spec.args)
+
+
+def server_entry(kind: str, base_url: str, model_name: str) -> dict[str, Any]:
+    """The ``--openai`` section an environment gets for one inference server."""
+    return {"base_url": base_url, "model_name": model_name, "server_type": _SERVER_TYPE[kind]}
+
+
+def plan_run(spec: RunSpec) -> RunPlan:
+    """The components of ``spec`` (commands with placeholders, see the module docstring).
+
+    Raises:
+        RunSpecError: an environment file or trainer setting that cannot work.
+    """
+    output = str(spec.output_dir)
+    api = Component(
+        name="run-api",
+        role="api",
+        group="run-api",
+        argv=[
+            sys.executable,
+            "-m",
+            "atroposlib.cli.run_api",
+            "--host",
+            "{bind_host}",
+            "--port",
+            "{port}",
+        ],  # fmt: skip
+        env={f"ATROPOS_{k.upper()}": _flag_value(v) for k, v in spec.api.settings.items()},
+        health_path="/health",
+        port=spec.api.port,
+        cpus=spec.api.cpus,
+        startup_timeout=spec.api.startup_timeout,
+    )
+    inference: list[Component] = []
+    for server in spec.inference:
+        for i in range(server.count):
+            name = f"{server.name}-{i}"
+            if server.kind == "external":
+                inference.append(
+                    Component(
+                        name=name,
+                        role="inference",
+                        group=server.name,
+                        index=i,
+                        argv=[],
+                        external_url=server.url,
+                        kind=server.kind,
+                        model_name=server.model_name,
+                    )  # fmt: skip
+                )
+                break  # one URL: count means nothing for a server we do not start
+            inference.append(
+                Component(
+                    name=name,
+                    role="inference",
+                    group=server.name,
+                    index=i,
+                    argv=_inference_argv(server, spec),
+                    env={"HF_HUB_OFFLINE": "1", **server.env}
+                    if server.kind == "atropos-serve"
+                    else dict(server.env),  # fmt: skip
+                    health_path="/health",
+                    port=server.port + i if server.port else 0,
+                    url_suffix="/v1",
+                    cpus=server.cpus,
+                    gpus=server.gpus,
+                    startup_timeout=server.startup_timeout,
+                    kind=server.kind,
+                    model_name=server.model_name,
+                )
+            )
+    environments: list[Component] = []
+    for env in spec.environments:
+        file = spec.resolve_path(env.file)
+        if not file.is_file():
+            alt = Path(env.file).expanduser().resolve()
+            if not alt.is_file():
+                raise RunSpecError(f"environments: {env.label}: no such file {env.file!r}")
+            file = alt
+        env_values = dict(env.env)
+        if env.weight is not None:
+            env_values["inference_weight"] = env.weight
+        env_values["rollout_server_url"] = "{api_url}"
+        for i in range(env.workers):
+            name = f"{env.label}-{i}"
+            config_path = f"configs/{name}.yaml"
+            environments.append(
+                Component(
+                    name=name,
+                    role="env",
+                    group=env.label,
+                    index=i,
+                    argv=[
+                        _python(env.python),
+                        str(file),
+                        "serve",
+                        "--config",
+                        "{output}/" + config_path,
+                        *env.args,
+                    ],  # fmt: skip
+                    files={
+                        config_path: {
+                            "env": env_values,
+                            "openai": "{openai_servers}",
+                            "openai_overrides": dict(env.openai),
+                        }
+                    },  # fmt: skip
+                    cpus=env.cpus,
+                    max_restarts=env.max_restarts,
+                    cwd=str(
+                        file.parent.parent if file.parent.name == "environments" else file.parent
+                    ),  # fmt: skip
+                )
+            )
+    trainer = None
+    if spec.trainer is not None:
+        trainer = _plan_trainer(spec)
+    return RunPlan(
+        name=spec.name,
+        output=output,
+        bind_host=spec.bind_host,
+        api=api,
+        inference=inference,
+        environments=environments,
+        trainer=trainer,
+    )
+
+
+def _plan_trainer(spec: RunSpec) -> Component:
+    assert spec.trainer is not None
+    t = spec.trainer
+    env = {"ATROPOS_API_URL": "{api_url}", "ATROPOS_INFERENCE_URLS": "{inference_urls}",
+           "ATROPOS_RUN_OUTPUT": "{output}", **t.env}  # fmt: skip
+    if t.command:
+        return Component(name="trainer", role="trainer", group="trainer", argv=list(t.command),
+                         env=env, cpus=t.cpus, gpus=t.gpus)  # fmt: skip
+    config: dict[str, Any] = {k.replace("-", "_"): v for k, v in t.config.items()}
+    config.setdefault("atropos_url", "{api_url}")
+    first = next((s for s in spec.inference), None)
+    if first is not None:
+        config.setdefault("inference_url", "{inference_url}")
+        config.setdefault(
+            "inference",
+            {"atropos-serve": "atropos-serve", "sglang": "sglang"}.get(first.kind, "none"),
+        )
+        config.setdefault("served_model_name", first.model_name)
+        if first.model and "model_name" not in config:
+            config["model_name"] = first.model
+    if "model_name" in config:
+        path = spec.resolve_path(str(config["model_name"]))
+        if path.exists():
+            config["model_name"] = str(path)
+    for key in ("save_path", "metrics_file"):
+        if key in config and not str(config[key]).startswith("{"):
+            config[key] = str(_under(spec, str(config[key])))
+    config.setdefault("save_path", "{output}/checkpoints")
+    config.setdefault("metrics_file", "{output}/metrics.jsonl")
+    return Component(
+        name="trainer",
+        role="trainer",
+        group="trainer",
+        argv=[
+            _python(t.python),
+            "-m",
+            "example_trainer.grpo",
+            "--config",
+            "{output}/configs/trainer.yaml",
+        ],  # fmt: skip
+        env=env,
+        files={"configs/trainer.yaml": config},
+        cpus=t.cpus,
+        gpus=t.gpus,
+    )
+
+
+def _under(spec: RunSpec, path: str) -> Path:
+    """A relative path under the run's output folder (absolute paths stay)."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else spec.output_dir / p
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def render(value: Any, ctx: dict[str, Any]) -> Any:
+    """``value`` with every ``{key}`` of ``ctx`` filled in (strings, lists and dicts, deeply).
+
+    A string that is exactly one placeholder takes the context value as is (so
+    ``"{openai_servers}"`` becomes a list); other text around braces is left alone.
+    """
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("{") and stripped.endswith("}") and stripped[1:-1] in ctx:
+            found = ctx[stripped[1:-1]]
+            return found if not isinstance(found, (int, float)) or isinstance(found, bool) \
+                else str(found)  # fmt: skip
+        for key, sub in ctx.items():
+            token = "{" + key + "}"
+            if token in value and isinstance(sub, (str, int, float)):
+                value = value.replace(token, str(sub))
+        return value
+    if isinstance(value, list):
+        return [render(v, ctx) for v in value]
+    if isinstance(value, dict):
+        return {k: render(v, ctx) for k, v in value.items()}
+    return value
+
+
+def env_config_data(files_entry: dict[str, Any], ctx: dict[str, Any]) -> dict[str, Any]:
+    """An environment worker's YAML config with its servers filled in: the run's inference
+    servers, each with the spec's ``openai`` overrides laid over it."""
+    data = render(files_entry, ctx)
+    overrides = data.pop("openai_overrides", {}) or {}
+    servers = data.get("openai")
+    if isinstance(servers, list) and servers:
+        data["openai"] = [{**s, **overrides} for s in servers]
+    elif overrides:
+        data["openai"] = overrides
+    else:
+        data.pop("openai", None)
+    return data
+
+
+def describe(component: Component) -> str:
+    """The component's command line, for logs."""
+    return shlex.join(component.argv)
