@@ -74,6 +74,12 @@ def prometheus_text(m: dict[str, Any]) -> str:
     )
     metric("batches_served_total", "counter", "Batches handed out.", [("", m["batches_served"])])
     metric(
+        "groups_served_total",
+        "counter",
+        "Groups handed out in new batches (a batch handed out again is not counted twice).",
+        [("", m["groups_served"])],
+    )
+    metric(
         "sequences_served_total",
         "counter",
         "Sequences handed out.",

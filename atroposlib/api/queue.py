@@ -182,6 +182,7 @@ class TrajectoryQueue:
         self.refused = Counter[str]()
         self.dropped = Counter[str]()
         self.batches_served = 0
+        self.groups_served = 0
         self.sequences_served = 0
         self.redelivered_batches = 0
         self._restore()
@@ -648,6 +649,7 @@ class TrajectoryQueue:
                 self._inflight[self.step] = chosen
                 self.store.take_inflight([g.gid for g in chosen], self.step, self._meta())
             self.batches_served += 1
+            self.groups_served += len(chosen)
             seqs = sum(g.size for g in chosen)
             self.sequences_served += seqs
             for g in chosen:
@@ -767,6 +769,7 @@ class TrajectoryQueue:
                 "refused": dict(self.refused),
                 "dropped": dict(self.dropped),
                 "batches_served": self.batches_served,
+                "groups_served": self.groups_served,
                 "sequences_served": self.sequences_served,
                 "unacknowledged_batches": len(self._inflight),
                 "redelivered_batches": self.redelivered_batches,

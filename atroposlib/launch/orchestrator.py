@@ -366,6 +366,7 @@ class Run:
                     "accepted_groups",
                     "accepted_sequences",
                     "batches_served",
+                    "groups_served",
                     "sequences_served",
                     "queue_groups",
                     "buffered_groups",

@@ -60,6 +60,9 @@ class Component(BaseModel):
     external_url: str | None = Field(None, description="A server the run does not start.")
     cpus: float = 1.0
     gpus: float = 0.0
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources (Ray) it needs besides cpus/gpus."
+    )
     max_restarts: int = 0
     startup_timeout: float = 60.0
     cwd: str | None = None
@@ -175,6 +178,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
                     url_suffix="/v1",
                     cpus=server.cpus,
                     gpus=server.gpus,
+                    resources=dict(server.resources),
                     startup_timeout=server.startup_timeout,
                     kind=server.kind,
                     model_name=server.model_name,
@@ -217,6 +221,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
                         }
                     },  # fmt: skip
                     cpus=env.cpus,
+                    resources=dict(env.resources),
                     max_restarts=env.max_restarts,
                     cwd=str(
                         file.parent.parent if file.parent.name == "environments" else file.parent
@@ -244,7 +249,8 @@ def _plan_trainer(spec: RunSpec) -> Component:
            "ATROPOS_RUN_OUTPUT": "{output}", **t.env}  # fmt: skip
     if t.command:
         return Component(name="trainer", role="trainer", group="trainer", argv=list(t.command),
-                         env=env, cpus=t.cpus, gpus=t.gpus)  # fmt: skip
+                         env=env, cpus=t.cpus, gpus=t.gpus,
+                         resources=dict(t.resources))  # fmt: skip
     config: dict[str, Any] = {k.replace("-", "_"): v for k, v in t.config.items()}
     config.setdefault("atropos_url", "{api_url}")
     first = next((s for s in spec.inference), None)
@@ -281,6 +287,7 @@ def _plan_trainer(spec: RunSpec) -> Component:
         files={"configs/trainer.yaml": config},
         cpus=t.cpus,
         gpus=t.gpus,
+        resources=dict(t.resources),
     )
 
 

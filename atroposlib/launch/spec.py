@@ -51,6 +51,21 @@ def _check_name(value: str) -> str:
     return value
 
 
+def _check_resources(value: dict[str, float]) -> dict[str, float]:
+    for key, amount in value.items():
+        if key.upper() in ("CPU", "GPU"):
+            raise ValueError(f"{key}: use cpus / gpus, not resources")
+        if amount < 0:
+            raise ValueError(f"{key}: must be >= 0 (got {amount})")
+    return value
+
+
+_RESOURCES_DOC = (
+    "Custom resources each copy needs (ray: Ray custom resources, e.g. {node_pool_env: 1} "
+    "to place it on nodes started with --resources; ignored by the local and slurm backends)."
+)
+
+
 class ApiSpec(_Strict):
     """The trajectory API (``run-api``): one process per run."""
 
@@ -117,6 +132,7 @@ class InferenceSpec(_Strict):
     )
     gpus: float = Field(0.0, ge=0, description="GPUs reserved for each copy (ray, slurm).")
     cpus: float = Field(1.0, gt=0, description="CPUs reserved for each copy (ray, slurm).")
+    resources: dict[str, float] = Field(default_factory=dict, description=_RESOURCES_DOC)
     python: str | None = Field(
         None,
         description="Python interpreter that runs the server (default: the launcher's), e.g. "
@@ -137,6 +153,11 @@ class InferenceSpec(_Strict):
     @classmethod
     def _name(cls, value: str) -> str:
         return _check_name(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return _check_resources(value)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> InferenceSpec:
@@ -193,6 +214,7 @@ class EnvironmentSpec(_Strict):
         default_factory=list, description="Extra command-line arguments after the others."
     )
     cpus: float = Field(1.0, gt=0, description="CPUs reserved for each worker (ray, slurm).")
+    resources: dict[str, float] = Field(default_factory=dict, description=_RESOURCES_DOC)
     max_restarts: int = Field(
         3,
         ge=0,
@@ -207,6 +229,11 @@ class EnvironmentSpec(_Strict):
     @classmethod
     def _name(cls, value: str | None) -> str | None:
         return None if value is None else _check_name(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return _check_resources(value)
 
     @field_validator("env", "openai")
     @classmethod
@@ -243,12 +270,18 @@ class TrainerSpec(_Strict):
     )
     gpus: float = Field(0.0, ge=0, description="GPUs reserved for it (ray, slurm).")
     cpus: float = Field(1.0, gt=0, description="CPUs reserved for it (ray, slurm).")
+    resources: dict[str, float] = Field(default_factory=dict, description=_RESOURCES_DOC)
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables of the trainer."
     )
     python: str | None = Field(
         None, description="Python interpreter that runs it (default: the launcher's)."
     )
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return _check_resources(value)
 
     @field_validator("config")
     @classmethod

@@ -1,0 +1,187 @@
+"""The Ray backend of ``atropos-launch`` against a real two-node Ray cluster on this machine.
+
+The cluster (``tests/launch/ray_cluster.py``) is a head node and a second node with a custom
+resource ``node2``, each its own raylet on its own loopback address. A run of run-api,
+atropos-serve (a tiny random model), the arithmetic environment with two workers placed on node
+2, and a trainer stand-in (``batch_puller.py``) runs through the library API; mid-run one
+worker's process is SIGKILLed and the other worker's Ray actor is SIGKILLed; both are
+restarted and the run completes with every group run-api accepted accounted for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from atroposlib.launch.orchestrator import Run, RunFailed  # noqa: E402
+from atroposlib.launch.ray_backend import ACTOR_LOST, RayBackend  # noqa: E402
+from atroposlib.launch.spec import RunSpec  # noqa: E402
+from tests.launch.ray_cluster import RayCluster  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A head (3 CPUs) and a second node (4 CPUs, resource node2), stopped afterwards."""
+    cluster = RayCluster(head_cpus=3, node2_cpus=4).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _spec(cluster: RayCluster, out: Path, model: Path, **trainer_args: str) -> RunSpec:
+    release, report = out / "release", out / "trainer-report.json"
+    return RunSpec.model_validate(
+        {
+            "name": "ray-test",
+            "output": str(out),
+            "base_dir": str(REPO),
+            "ray": {"address": cluster.address, "namespace": "atropos-test"},
+            "inference": [
+                {
+                    "name": "policy",
+                    "kind": "atropos-serve",
+                    "model": str(model),
+                    "served_model_name": "tiny",
+                    "args": ["--dtype", "float32"],
+                    "startup_timeout": 180,
+                },
+            ],
+            "environments": [
+                {
+                    "file": "environments/arithmetic_server.py",
+                    "workers": 2,
+                    "resources": {"node2": 1},
+                    "max_restarts": 2,
+                    "env": {
+                        "group_size": 2,
+                        "max_token_length": 256,
+                        "max_answer_tokens": 6,
+                        "tokenizer_name": str(model),
+                        "use_wandb": False,
+                        "steps_per_eval": 0,
+                        "total_steps": 1000,
+                    },
+                }
+            ],
+            "trainer": {
+                "command": [
+                    sys.executable,
+                    str(HERE / "batch_puller.py"),
+                    "--batches",
+                    trainer_args.get("batches", "2"),
+                    "--batch-size",
+                    "4",
+                    "--release",
+                    str(release),
+                    "--report",
+                    str(report),
+                ],
+            },
+        }
+    )
+
+
+def test_two_node_run_restarts_killed_workers_and_accounts_for_every_group(
+    ray_cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    spec = _spec(ray_cluster, out, tiny_model_dir)
+    backend = RayBackend(spec)
+    events: list[str] = []
+    run = Run(spec, backend, on_event=events.append)
+    workers = ["arithmetic-0", "arithmetic-1"]
+    phase, deadline = "warm-up", time.monotonic() + 300
+    killed_env_ids: set[int] = set()
+    last_envs: list[dict] = []
+    with run:
+        run.start()
+        handles = {name: run.states[name].handle for name in workers}
+        # placed by their resource on the second node; the rest wherever Ray put them
+        for name, handle in handles.items():
+            assert handle is not None and handle.node.startswith(ray_cluster.node2_ip), name
+            assert ray_cluster.node2_ip in handle.log_location
+        while not run.check():
+            assert time.monotonic() < deadline, f"{phase}: {events}\n{run.api_numbers()}"
+            numbers = run.api_numbers() or {}
+            envs = numbers.get("envs") or []
+            last_envs = envs or last_envs
+            if phase == "warm-up" and numbers.get("batches_served", 0) >= 1 and \
+                    sum(1 for e in envs if e["accepted_groups"] > 0) >= 2:
+                killed_env_ids = {e["env_id"] for e in envs}
+                # the process of worker 0, and the Ray actor (worker process) of worker 1
+                os.kill(handles["arithmetic-0"].pid, signal.SIGKILL)
+                os.kill(handles["arithmetic-1"].actor_pid, signal.SIGKILL)
+                phase = "killed"
+            elif phase == "killed" and all(run.states[w].restarts == 1 for w in workers):
+                fresh = [e for e in envs if e["env_id"] not in killed_env_ids]
+                if sum(1 for e in fresh if e["accepted_groups"] > 0) >= 2:
+                    (out / "release").touch()  # the trainer may finish now
+                    phase = "released"
+            time.sleep(0.5)
+        assert phase == "released", events
+        restarted = {w: run.states[w].handle for w in workers}
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["finished"] is True and summary["backend"] == "ray"
+    components = summary["components"]
+    assert components["trainer"]["state"] == "done"
+    for name in workers:
+        assert components[name]["restarts"] == 1, components
+        assert components[name]["node"].startswith(ray_cluster.node2_ip)
+    assert components["run-api"]["restarts"] == 0
+    # the killed process reports its signal; the lost actor, ACTOR_LOST
+    assert any(f"arithmetic-0: exited with status {-signal.SIGKILL}" in e for e in events)
+    assert any(f"arithmetic-1: exited with status {ACTOR_LOST}" in e for e in events)
+    # new actors (Ray placed them again on node 2), new processes
+    assert restarted["arithmetic-0"].pid != handles["arithmetic-0"].pid
+    assert restarted["arithmetic-1"].actor_pid != handles["arithmetic-1"].actor_pid
+
+    api = summary["api"]
+    report = json.loads((out / "trainer-report.json").read_text())
+    dropped = sum(api["dropped"].values())
+    assert report["groups"] == api["groups_served"] > 0
+    assert api["accepted_groups"] == (
+        api["groups_served"] + api["queue_groups"] + api["buffered_groups"] + dropped
+    ), api
+    # every worker instance (two first ones, two restarted) registered with run-api under the
+    # id it logged, and the API counted groups from each
+    logged = set()
+    for name in workers:
+        for line in (out / "logs" / f"{name}.log").read_text().splitlines():
+            if "Registered env arithmetic as id" in line:
+                logged.add(int(line.split(" as id ")[1].split()[0]))
+    assert logged == {e["env_id"] for e in last_envs} and len(logged) == 4, last_envs
+    assert all(e["accepted_groups"] > 0 for e in last_envs), last_envs
+    assert sum(e["accepted_groups"] for e in last_envs) <= api["accepted_groups"]
+    # every actor is gone: the processes they started are too
+    for handle in [*handles.values(), *restarted.values()]:
+        assert handle is not None and not Path(f"/proc/{handle.pid}").exists()
+
+
+def test_a_component_that_cannot_fit_fails_with_what_it_asked_for(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    spec = RunSpec.model_validate(
+        {
+            "output": str(tmp_path / "run"),
+            "base_dir": str(REPO),
+            "ray": {"address": ray_cluster.address},
+            "environments": [{"file": "tests/envs/counting_env.py", "resources": {"gpu_pool": 1}}],
+        }
+    )
+    run = Run(spec, RayBackend(spec, placement_timeout=3))
+    with run, pytest.raises(RunFailed, match=r"counting: the Ray cluster has no room .*gpu_pool"):
+        run.start_api()
+        run.start_environments()
