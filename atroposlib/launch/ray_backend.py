@@ -226,6 +226,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """CPU, GPU and custom resources (not memory, node ids or placement-group bookkeeping,
+    which Ray names ``NAME_group_[INDEX_]ID``)."""
+    hidden = ("node:", "memory", "object_store_memory", "accelerator_type:")
+    return {
+        k: v
+        for k, v in sorted(resources.items())
+        if not k.startswith(hidden) and "_group_" not in k
+    }
+
+
 def _bundle(component: Component) -> dict[str, float]:
     bundle = {"CPU": float(component.cpus), **component.resources}
     if component.gpus:
@@ -321,8 +332,10 @@ class RayBackend(Backend):
             remove_placement_group(pg)
             raise RunFailed(
                 f"{component.group}: the Ray cluster has no room for {copies} x {bundles[0]} "
-                f"within {self.placement_timeout:.0f} s (available now: "
-                f"{ray.available_resources()}). Lower cpus/gpus/resources or add nodes."
+                f"within {self.placement_timeout:.0f} s (free now: "
+                f"{_schedulable(ray.available_resources())}; in all: "
+                f"{_schedulable(ray.cluster_resources())}). Lower its cpus/gpus/resources, or "
+                "add nodes that have them."
             ) from None
         self._groups[component.group] = pg
         return pg

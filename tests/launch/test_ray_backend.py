@@ -118,8 +118,11 @@ def test_two_node_run_restarts_killed_workers_and_accounts_for_every_group(
             numbers = run.api_numbers() or {}
             envs = numbers.get("envs") or []
             last_envs = envs or last_envs
-            if phase == "warm-up" and numbers.get("batches_served", 0) >= 1 and \
-                    sum(1 for e in envs if e["accepted_groups"] > 0) >= 2:
+            if (
+                phase == "warm-up"
+                and numbers.get("batches_served", 0) >= 1
+                and sum(1 for e in envs if e["accepted_groups"] > 0) >= 2
+            ):
                 killed_env_ids = {e["env_id"] for e in envs}
                 # the process of worker 0, and the Ray actor (worker process) of worker 1
                 os.kill(handles["arithmetic-0"].pid, signal.SIGKILL)
@@ -182,6 +185,12 @@ def test_a_component_that_cannot_fit_fails_with_what_it_asked_for(
         }
     )
     run = Run(spec, RayBackend(spec, placement_timeout=3))
-    with run, pytest.raises(RunFailed, match=r"counting: the Ray cluster has no room .*gpu_pool"):
+    with (
+        run,
+        pytest.raises(
+            RunFailed,
+            match=r"counting_env: the Ray cluster has no room for 1 x \{'CPU': 1.0, 'gpu_pool': 1.0\}.*in all: \{'CPU': 7.0, 'node2': 100.0\}",
+        ),
+    ):
         run.start_api()
         run.start_environments()
