@@ -386,7 +386,7 @@ def run(args: QuickstartOptions) -> int:
             logs / "run-api.log",
         ).start()
         children.append(api)
-        api.wait_ready(api_url + "/info", 60)
+        api.wait_ready(api_url + "/health", 60)  # open without run-api --api-key
         console.info("run-api ready at %s", api_url)
 
         if args.inference == "atropos-serve":
