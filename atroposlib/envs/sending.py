@@ -110,11 +110,10 @@ class ApiRefused(Exception):
 class ApiKeyRejected(ApiRefused):
     """The API answered 401: this env sent no key or the wrong one (``run-api --api-key``)."""
 
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(status, body)
-        self.args = (
-            f"HTTP {status}: run-api refused this env's API key ({body[:300]}); set "
-            f"{API_KEY_ENV} in the env's environment to run-api's --api-key",
+    def __str__(self) -> str:
+        return (
+            f"HTTP {self.status}: run-api refused this env's API key ({self.body[:300]}); set "
+            f"{API_KEY_ENV} in the env's environment to run-api's --api-key"
         )
 
 
