@@ -138,7 +138,6 @@ def test_env_process_and_trainer_run_with_the_key(
     assert items == [0, 1, 2, 3]
     keyless_log = (tmp_path / "keyless.log").read_text()
     assert "401" in keyless_log and "ATROPOS_API_KEY" in keyless_log, keyless_log[-2000:]
-    assert 0, keyless_log[-3000:]
     metrics = httpx.get(f"{api.url}/metrics?format=json", headers={"X-API-Key": KEY}).json()
     assert metrics["accepted_groups"] == 4
     assert metrics["refused"].get("unauthorized", 0) >= 1  # the keyless env's registration
