@@ -227,3 +227,34 @@ def test_dry_run_prints_every_command_without_starting_anything(tmp_path: Path):
     assert "atroposlib.inference.cli --model SmolLM2-135M-Instruct" in result.stdout
     assert "environments/arithmetic_server.py serve --config" in result.stdout
     assert not (tmp_path / "q" / "logs").exists()
+
+
+@pytest.mark.slow
+def test_the_shipped_quickstart_run_description_trains_locally(tmp_path: Path):
+    """example_trainer/configs/quickstart-run.yaml, unchanged but for the output folder:
+    run-api, atropos-serve with SmolLM2, the arithmetic env and the GRPO trainer for 3 steps."""
+    spec = ROOT / "example_trainer" / "configs" / "quickstart-run.yaml"
+    out = tmp_path / "q"
+    proc = _launch(spec, "--output", str(out))
+    stdout, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-4000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["finished"] is True
+    assert {n: c["state"] for n, c in summary["components"].items()} == {
+        "run-api": "stopped",
+        "policy": "stopped",
+        "arithmetic": "done",
+        "trainer": "done",
+    }
+    api = summary["api"]
+    assert api["batches_served"] == 3 and api["step"] == 3
+    served_groups = api["sequences_served"] // 4  # group_size 4
+    assert api["accepted_groups"] == (
+        served_groups + api["queue_groups"] + api["buffered_groups"]
+        + sum(api["dropped"].values())
+    ), summary  # fmt: skip
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_3*"))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(m.get("step", 0) for m in metrics) == 3
+    for name in ("run-api", "policy", "arithmetic", "trainer"):
+        assert (out / "logs" / f"{name}.log").stat().st_size > 0
