@@ -187,6 +187,9 @@ class Run:
         self.stub_port, self.api_port = _free_port(), _free_port()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.http = httpx.Client(base_url=self.api_url, timeout=10)
+        # every setting comes from the bench's flags, none from ATROPOS_* in the caller's env
+        self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_")}
+        self.base_env.update(PYTHONPATH=str(REPO), WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
 
     def _spawn(self, argv: list[str], cpu: int | None, log: Path, env: dict | None = None):
         def pin() -> None:
@@ -197,7 +200,7 @@ class Run:
         proc = subprocess.Popen(
             argv,
             cwd=str(REPO),
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            env={**self.base_env, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=pin,
