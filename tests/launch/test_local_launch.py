@@ -258,3 +258,33 @@ def test_the_shipped_quickstart_run_description_trains_locally(tmp_path: Path):
     assert max(m.get("step", 0) for m in metrics) == 3
     for name in ("run-api", "policy", "arithmetic", "trainer"):
         assert (out / "logs" / f"{name}.log").stat().st_size > 0
+
+
+def test_a_run_bound_beyond_loopback_gets_a_key_every_component_uses(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """bind_host 0.0.0.0 implies api_key auto: run-api requires the key, and the env worker,
+    the trainer and the launcher's own status requests all send it (ATROPOS_API_KEY)."""
+    spec = _spec(tmp_path, tiny_model_dir, bind_host="0.0.0.0")
+    data = yaml.safe_load(spec.read_text())
+    data["environments"][0]["workers"] = 1
+    data["trainer"]["command"][2:4] = ["2", "4"]
+    spec.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k != "ATROPOS_API_KEY"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--status", "lines"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-4000:]
+    api_log = (tmp_path / "out" / "logs" / "run-api.log").read_text()
+    assert "API key required" in api_log
+    assert "401" not in api_log  # nobody was refused: every component had the key
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["api"]["batches_served"] == 2  # the launcher read /metrics with the key
+    key_lines = [line for line in out.splitlines() if "ATROPOS_API_KEY=" in line]
+    assert not key_lines  # the key itself is never printed
