@@ -225,6 +225,7 @@ class SrunHandle:
         self._report: dict[str, Any] | None = None
         self._released = False
         self.on_release: Any = None
+        self.job_id = os.environ.get("SLURM_JOB_ID")
 
     def report(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The runner's report (``{url, host, port, pid, node}``); waits up to ``timeout``
@@ -239,12 +240,8 @@ class SrunHandle:
         limit = self.component.startup_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while True:
-            if self.report_path.exists():
-                try:
-                    self._report = json.loads(self.report_path.read_text())
-                    return self._report
-                except ValueError:
-                    pass
+            if self._read_report() is not None:
+                return self._report
             if self.poll() is not None:
                 return None
             if time.monotonic() > deadline:
@@ -253,6 +250,14 @@ class SrunHandle:
                     f"srun's output ({self.child.log_path}):\n{self.child.log_tail()}"
                 )
             time.sleep(0.1)
+
+    def _read_report(self) -> dict[str, Any] | None:
+        if self._report is None:
+            try:
+                self._report = json.loads(self.report_path.read_text())
+            except (OSError, ValueError):  # not written yet (it is replaced in one go)
+                pass
+        return self._report
 
     @property
     def url(self) -> str | None:
@@ -282,9 +287,21 @@ class SrunHandle:
             self._release()
         return code
 
-    def stop(self) -> None:
-        """SIGTERM to srun (forwarded to the step), SIGKILL after 40 s."""
-        self.child.stop(timeout=40.0)
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM to the step's task (``scancel --signal=TERM JOB.STEP``: the runner stops
+        the component and exits), then, after ``timeout`` s, to srun itself, which kills
+        the step."""
+        proc = self.child.proc
+        step = (self._read_report() or {}).get("slurm_step")
+        if proc is not None and proc.poll() is None and step is not None and self.job_id:
+            subprocess.run(["scancel", "--signal=TERM", f"{self.job_id}.{step}"],
+                           capture_output=True)  # fmt: skip
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s: step %s.%s still runs %.0f s after SIGTERM; ending it",
+                               self.component.name, self.job_id, step, timeout)  # fmt: skip
+        self.child.stop(timeout=15.0)  # srun on SIGTERM aborts the step (SIGKILL to tasks)
         self._release()
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+from atroposlib.utils.processes import ChildProcess
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 
@@ -46,7 +47,7 @@ class SlurmCluster:
         self.node = socket.gethostname().split(".")[0]
         self.partition = "debug"
         self.conf = self.root / "slurm.conf"
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[ChildProcess] = []
 
     def environ(self) -> dict[str, str]:
         """``os.environ`` plus ``SLURM_CONF`` pointing at this cluster."""
@@ -94,23 +95,28 @@ class SlurmCluster:
     def start(self, timeout: float = 60.0) -> SlurmCluster:
         """Start slurmctld, then slurmd; wait until the node is idle."""
         self.write_conf()
-        env = self.environ()
         for daemon in ("slurmctld", "slurmd"):
-            log = open(self.root / "log" / f"{daemon}.out", "ab")  # noqa: SIM115 - child holds it
             argv = [daemon, "-D", "-f", str(self.conf)]
             if daemon == "slurmctld":
                 argv.append("-c")  # a clean state: job ids from 1
             else:
                 argv += ["-N", self.node]
-            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
-            log.close()
+            # owned children: stopped with their session even if the test process is killed
+            self.procs.append(
+                ChildProcess(
+                    daemon,
+                    argv,
+                    self.root / "log" / f"{daemon}.out",
+                    env={"SLURM_CONF": str(self.conf)},
+                ).start()
+            )
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
             for proc in self.procs:
-                if proc.poll() is not None:
+                if not proc.running:
                     self.stop()
-                    raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}):\n{self.logs()}")
+                    raise RuntimeError(f"{proc.name} exited:\n{self.logs()}")
             state = self.node_state()
             if state.startswith("idle"):
                 return self
@@ -143,18 +149,12 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel every job, wait for them to go, then stop both daemons."""
-        if all(proc.poll() is None for proc in self.procs):
+        if self.procs and all(proc.running for proc in self.procs):
             subprocess.run(["scancel", "-p", self.partition], env=self.environ(),
                            capture_output=True)  # fmt: skip
             deadline = time.monotonic() + 30
             while self.jobs() and time.monotonic() < deadline:
                 time.sleep(0.5)
         for proc in reversed(self.procs):  # slurmd first, then slurmctld
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            proc.stop(timeout=15)
         self.procs.clear()
