@@ -54,6 +54,7 @@ __all__ = [
     "SrunHandle",
     "batch_script",
     "job_resources",
+    "time_limit_seconds",
     "launch_slurm",
     "parse_cpus_per_node",
 ]
@@ -109,6 +110,27 @@ def job_resources(spec: RunSpec) -> tuple[int, int]:
     return max(biggest, math.ceil(total / slurm.nodes)), slurm.gpus_per_node
 
 
+def time_limit_seconds(value: str) -> int | None:
+    """A Slurm time limit (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``) in
+    seconds; None for ``infinite``/``unlimited`` or what does not parse."""
+    days, _, rest = value.strip().rpartition("-")
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        day_s = int(days) * 86400 if days else 0
+    except ValueError:
+        return None
+    if days:  # D-H, D-H:M, D-H:M:S
+        parts += [0] * (3 - len(parts))
+        h, m, sec = parts[:3]
+    elif len(parts) == 1:
+        h, m, sec = 0, parts[0], 0
+    elif len(parts) == 2:
+        h, m, sec = 0, parts[0], parts[1]
+    else:
+        h, m, sec = parts[:3]
+    return day_s + h * 3600 + m * 60 + sec
+
+
 def _paths(spec: RunSpec) -> tuple[Path, Path, Path]:
     """``(OUTPUT/slurm, run.json, run.sbatch)``."""
     folder = spec.output_dir / "slurm"
@@ -145,8 +167,10 @@ def batch_script(spec: RunSpec) -> str:
     sbatch += [
         f"--output={q(str(folder / 'job-%j.out'))}",
         "--open-mode=append",
-        f"--signal=B:TERM@{STOP_GRACE_S}",
     ]
+    limit = time_limit_seconds(slurm.time)
+    if limit:  # a warning before the time limit: the orchestrator stops the run itself
+        sbatch.append(f"--signal=B:TERM@{min(STOP_GRACE_S, max(limit // 4, 1))}")
     sbatch += [line.strip().removeprefix("#SBATCH").strip() for line in slurm.extra]
     lines = [
         "#!/bin/bash",

@@ -29,8 +29,11 @@ def _free_port() -> int:
 
 
 def missing_tools() -> list[str]:
-    """The Slurm programs this machine lacks (empty when ``slurm-wlm`` is installed)."""
-    return [name for name in DAEMONS if shutil.which(name) is None]
+    """What this machine lacks to run the cluster: Slurm programs (``slurm-wlm``), root."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if os.geteuid() != 0:
+        missing.append("root (slurmd runs jobs as their user)")
+    return missing
 
 
 class SlurmCluster:

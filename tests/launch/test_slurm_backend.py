@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from atroposlib.launch.slurm import batch_script, parse_cpus_per_node
+from atroposlib.launch.slurm import batch_script, parse_cpus_per_node, time_limit_seconds
 from atroposlib.launch.spec import load_run_spec
 from tests.launch.slurm_cluster import SlurmCluster, missing_tools
 
@@ -93,9 +93,15 @@ def launch(run: Path, cluster: SlurmCluster, log: Path) -> subprocess.Popen[byte
         )
 
 
-def test_cpus_per_node_parsing() -> None:
+def test_slurm_value_parsing() -> None:
     assert parse_cpus_per_node("4(x2),2", 3) == [4, 4, 2]
     assert parse_cpus_per_node("8", 2) == [8, 8]
+    assert time_limit_seconds("30") == 1800
+    assert time_limit_seconds("10:00") == 600
+    assert time_limit_seconds("01:00:00") == 3600
+    assert time_limit_seconds("1-02") == 93600
+    assert time_limit_seconds("2-00:00:30") == 172830
+    assert time_limit_seconds("infinite") is None
 
 
 def test_resources_that_cannot_work_are_refused_by_field(tmp_path: Path) -> None:
@@ -119,6 +125,7 @@ def test_batch_script_passes_sbatch_test_only(cluster: SlurmCluster, tmp_path: P
     assert script in dry.stdout
     assert "#SBATCH --cpus-per-task=2" in script  # three components of 0.5 CPU, rounded up
     assert "#SBATCH --comment=atropos" in script
+    assert "#SBATCH --signal=B:TERM@90" in script  # the orchestrator's warning before 10 min
     path = tmp_path / "run.sbatch"
     path.write_text(script)
     ok = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True, text=True,
