@@ -414,9 +414,10 @@ class SrunBackend(Backend):
     ) -> list[str]:
         """The ``srun`` command line of one component's step.
 
-        CPU-only steps may share CPUs with each other (``--overlap``: the orchestrator already
-        spreads them over the nodes, and a step never waits for another to end); steps with
-        GPUs do not, so Slurm gives each its own GPUs (and sets ``CUDA_VISIBLE_DEVICES``).
+        CPU-only steps overlap the others (``--overlap``: the orchestrator already spreads
+        them over the nodes, and a step never waits for another to end); steps with GPUs do
+        not, so Slurm gives each its own GPUs (and sets ``CUDA_VISIBLE_DEVICES``), and CPUs
+        of their own: the job's CPUs per node must cover them (:func:`job_resources`).
         """
         argv = [
             self.srun,
@@ -429,7 +430,8 @@ class SrunBackend(Backend):
             "--kill-on-bad-exit=1",
         ]
         if component.gpus:
-            argv.append(f"--gpus={math.ceil(component.gpus)}")
+            # --mem=0: the job's memory, without taking it from the other steps
+            argv += [f"--gpus={math.ceil(component.gpus)}", "--mem=0"]
         else:
             argv.append("--overlap")
         return [
