@@ -1,32 +1,45 @@
-"""A minimal trainer for launcher tests: register, pull N batches, record them, exit 0.
+"""A stand-in trainer for launcher tests: registers with run-api, pulls batches with
+:class:`~atroposlib.api.client.TrainerClient`, writes what it got, exits 0.
 
-    python pull_batches.py N BATCH_SIZE OUT.json
-
-The API's URL comes from ATROPOS_API_URL (the launcher sets it; ATROPOS_API_KEY too when the
-run has a key). OUT.json gets ``{"batches": N, "groups": G, "sequences": S}``.
+``python pull_batches.py API_URL OUT.json BATCHES BATCH_SIZE``; ``OUT.json`` gets
+``{"batches", "groups", "sequences", "api_key_set", "node"}`` (``api_key_set``: whether
+``ATROPOS_API_KEY`` reached this process).
 """
 
 import json
 import os
+import socket
 import sys
 
 from atroposlib.api.client import TrainerClient
 
-n, batch_size, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-groups = sequences = 0
-with TrainerClient(os.environ["ATROPOS_API_URL"]) as client:
-    client.register(
-        batch_size=batch_size,
-        max_token_len=512,
-        checkpoint_dir="",
-        save_checkpoint_interval=0,
-        starting_step=0,
-        num_steps=n,
-    )
-    for i in range(n):
-        batch = client.get_batch(timeout=120, poll=0.2)
-        groups += len(batch)
-        sequences += sum(len(g["tokens"]) for g in batch)
-        print(f"batch {i + 1}/{n}: {len(batch)} groups", flush=True)
-with open(out, "w") as handle:
-    json.dump({"batches": n, "groups": groups, "sequences": sequences}, handle)
+
+def main() -> None:
+    url, out, batches, batch_size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    groups = sequences = 0
+    with TrainerClient(url) as client:
+        client.register(
+            batch_size=batch_size,
+            max_token_len=64,
+            checkpoint_dir="",
+            save_checkpoint_interval=-1,
+            starting_step=0,
+            num_steps=batches,
+        )
+        for _ in range(batches):
+            batch = client.get_batch(timeout=120, poll=0.2)
+            groups += len(batch)
+            sequences += sum(len(g["tokens"]) for g in batch)
+        extra = client.try_batch(timeout=10)  # acknowledges the last batch
+        if extra:
+            batches += 1
+            groups += len(extra)
+            sequences += sum(len(g["tokens"]) for g in extra)
+    with open(out, "w") as f:
+        json.dump({"batches": batches, "groups": groups, "sequences": sequences,
+                   "api_key_set": bool(os.environ.get("ATROPOS_API_KEY")),
+                   "node": socket.gethostname()}, f)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
