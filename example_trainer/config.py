@@ -135,7 +135,9 @@ class TrainingConfig(BaseModel):
     atropos_url: str = Field(
         default="http://localhost:8000",
         validation_alias=AliasChoices("atropos_url", "api_url"),
-        description="Base URL of run-api.",
+        description="Base URL of run-api. Requests carry the key of run-api --api-key from "
+        "the ATROPOS_API_KEY environment variable when it is set (the key is not a config "
+        "field, so it never lands in saved configs or W&B).",
     )
     register_timeout: float = Field(
         default=120.0,

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
 from example_trainer.api import TrajectoryAPIError
-from example_trainer.inference_process import ChildProcess, InferenceLaunchError
+from example_trainer.inference_process import InferenceLaunchError
 from example_trainer.recipes import RECIPES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -217,19 +217,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _watch(children: list[ChildProcess], stop: threading.Event, failed: list[str]) -> None:
-    """Interrupt the main thread if a child dies while training runs."""
+def _watch(run: Any, stop: threading.Event, failed: list[str]) -> None:
+    """Interrupt the main thread if a child fails while training runs (an environment that
+    exits 0 by itself has sent enough data for the run)."""
+    from atroposlib.launch import RunFailed
+
     while not stop.wait(1.0):
-        for child in children:
-            code = None if child.proc is None else child.proc.poll()
-            # An environment exits 0 by itself once it has sent enough data for the run.
-            if code is not None and not (child.name == "env" and code == 0):
-                failed.append(
-                    f"{child.name} exited with status {child.proc.returncode}. "
-                    f"Log ({child.log_path}):\n{child.log_tail(2000)}"
-                )
-                _thread.interrupt_main()
-                return
+        try:
+            run.check()
+        except RunFailed as exc:
+            failed.append(str(exc))
+            _thread.interrupt_main()
+            return
 
 
 def _flag_list(pairs: Sequence[str], what: str) -> list[str]:
@@ -330,7 +329,6 @@ def run(args: QuickstartOptions) -> int:
     inference_port = args.inference_port or _free_port()
     api_url = f"http://127.0.0.1:{api_port}"
     inference_url = f"http://127.0.0.1:{inference_port}"
-    python = sys.executable
     evaluator = _Evaluator(
         args, env_file, out, inference_url=inference_url, served_name=served_name,
         tokenizer=model_dir,
@@ -373,98 +371,30 @@ def run(args: QuickstartOptions) -> int:
         )
         raise SystemExit(f"atropos-quickstart: trainer settings: {problems}") from None
 
-    children: list[ChildProcess] = []
+    run_spec = _run_spec(args, env_file, out, model_dir, served_name, config, env_argv, rollouts)
+    run_spec = run_spec.model_copy(
+        update={"api": run_spec.api.model_copy(update={"port": api_port})}
+    )
+    from atroposlib.launch import Run, RunFailed
+    from atroposlib.launch.local import LocalBackend
+
+    launched = Run(run_spec, LocalBackend(), on_event=lambda line: console.info("%s", line))
     stop_watch = threading.Event()
     failed: list[str] = []
     started = time.monotonic()
     final = None
-    env: ChildProcess | None = None
+    env_started = False
     try:
-        api = ChildProcess(
-            "run-api",
-            [python, "-m", "atroposlib.cli.run_api", "--host", "127.0.0.1", "--port", api_port],
-            logs / "run-api.log",
-        ).start()
-        children.append(api)
-        api.wait_ready(api_url + "/info", 60)
-        console.info("run-api ready at %s", api_url)
-
-        if args.inference == "atropos-serve":
-            server = ChildProcess(
-                "atropos-serve",
-                [
-                    python,
-                    "-m",
-                    "atroposlib.inference.cli",
-                    "--model",
-                    model_dir if not args.resume else _resume_weights(checkpoints, model_dir),
-                    "--port",
-                    inference_port,
-                    "--served-model-name",
-                    served_name,
-                    "--log-level",
-                    "warning",
-                    # the trainer's importance ratios need the sampling distribution's
-                    # log-probabilities (temperature applied), not the model's raw ones
-                    "--logprobs-mode",
-                    "processed_logprobs",
-                    # serve the trainer's precision: a bfloat16 copy of float32 training
-                    # weights rounds small updates away and samples from another policy
-                    "--dtype",
-                    _serve_dtype(config),
-                    *args.serve_arg,
-                ],
-                logs / "atropos-serve.log",
-                env={"HF_HUB_OFFLINE": "1"},
-            ).start()
-            children.append(server)
-            waited = server.wait_ready(inference_url + "/health", 300)
-            console.info("atropos-serve ready at %s (%.0f s)", inference_url, waited)
-
-        env_command = [
-            python,
-            env_file,
-            "serve",
-            "--env.rollout_server_url",
-            api_url,
-            "--env.group_size",
-            args.group_size,
-            "--env.batch_size",
-            args.batch_size,
-            "--env.total_steps",
-            args.steps,
-            "--env.max_token_length",
-            args.seq_len,
-            "--env.tokenizer_name",
-            model_dir,
-            "--env.use_wandb",
-            "false",
-            "--env.steps_per_eval",
-            "0",
-            "--env.data_path_to_save_groups",
-            rollouts,
-            "--openai.base_url",
-            f"{inference_url}/v1",
-            "--openai.model_name",
-            served_name,
-            "--env.seed",
-            args.seed,
-        ]
-        if args.inference == "vllm":
-            # vLLM's OpenAI server has no /generate (token ids + logprobs): use plain chat
-            # completions; the env re-tokenizes and sends no inference_logprobs.
-            env_command += ["--openai.server_type", "openai"]
-        env_command += env_argv
+        launched.start_services()  # run-api and atropos-serve, each answering /health
 
         def on_ready() -> None:
             """The server serves the starting weights: evaluate them, then start the env."""
-            nonlocal env
+            nonlocal env_started
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
                 before = evaluator.run(0, "before")
                 _append(metrics_file, {"step": 0, "time": time.time(), **before})
-            env = ChildProcess("env", env_command, logs / "env.log", cwd=REPO_ROOT).start()
-            children.append(env)
-            console.info("environment %s started (log: %s)", env_file.name, env.log_path)
+            launched.start_environments()
+            env_started = True
 
         def on_step(step: int, synced: Path | None) -> dict[str, float] | None:
             if not args.eval or synced is None:
@@ -475,7 +405,7 @@ def run(args: QuickstartOptions) -> int:
                 return evaluator.run(step, f"step_{step}")
             return None
 
-        threading.Thread(target=_watch, args=(children, stop_watch, failed), daemon=True).start()
+        threading.Thread(target=_watch, args=(launched, stop_watch, failed), daemon=True).start()
         final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
         final = _publish_final(final, out)
     except KeyboardInterrupt:
@@ -485,11 +415,13 @@ def run(args: QuickstartOptions) -> int:
         print("\natropos-quickstart: interrupted; stopping every process", file=sys.stderr)
         print(f"  continue with: atropos-quickstart ... --output {out} --resume", file=sys.stderr)
         return 130
-    except InferenceLaunchError as exc:
+    except (InferenceLaunchError, RunFailed) as exc:
         print(f"atropos-quickstart: {exc}", file=sys.stderr)
         return 1
     except TrajectoryAPIError as exc:
-        tail = env.log_tail(2000) if env is not None else ""
+        env_state = launched.states.get("env")
+        handle = env_state.handle if env_state is not None else None
+        tail = handle.log_tail(2000) if handle is not None and env_started else ""
         print(
             f"atropos-quickstart: {exc}\nenvironment log ({logs / 'env.log'}):\n{tail}",
             file=sys.stderr,
@@ -504,10 +436,91 @@ def run(args: QuickstartOptions) -> int:
         return 1
     finally:
         stop_watch.set()
-        for child in reversed(children):
-            child.stop()
+        launched.stop()
         _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
     return 0
+
+
+def _run_spec(
+    args: QuickstartOptions,
+    env_file: Path,
+    out: Path,
+    model_dir: str,
+    served_name: str,
+    config: Any,
+    env_argv: list[str],
+    rollouts: Path,
+) -> Any:
+    """The quick-start loop as a run description for ``atropos-launch``'s local backend:
+    run-api, atropos-serve (unless the trainer launches vLLM) and the environment; the trainer
+    runs in this process."""
+    from atroposlib.launch.spec import RunSpec
+
+    checkpoints = out / "checkpoints"
+    inference_port = int(config.inference_url.rsplit(":", 1)[1])
+    if args.inference == "atropos-serve":
+        inference = [
+            {
+                "name": "atropos-serve",
+                "kind": "atropos-serve",
+                "model": model_dir if not args.resume else _resume_weights(checkpoints, model_dir),
+                "served_model_name": served_name,
+                "port": inference_port,
+                "startup_timeout": 300,
+                "args": [
+                    "--log-level",
+                    "warning",
+                    # the trainer's importance ratios need the sampling distribution's
+                    # log-probabilities (temperature applied), not the model's raw ones
+                    "--logprobs-mode",
+                    "processed_logprobs",
+                    # serve the trainer's precision: a bfloat16 copy of float32 training
+                    # weights rounds small updates away and samples from another policy
+                    "--dtype",
+                    _serve_dtype(config),
+                    *args.serve_arg,
+                ],
+            }
+        ]
+    else:
+        # the trainer launches vLLM (no /generate: plain chat completions; the env
+        # re-tokenizes and sends no inference_logprobs)
+        inference = [
+            {
+                "name": "vllm",
+                "kind": "external",
+                "url": f"{config.inference_url}/v1",
+                "served_model_name": served_name,
+            }  # fmt: skip
+        ]
+    env_values = {
+        "group_size": args.group_size,
+        "batch_size": args.batch_size,
+        "total_steps": args.steps,
+        "max_token_length": args.seq_len,
+        "tokenizer_name": model_dir,
+        "use_wandb": False,
+        "steps_per_eval": 0,
+        "data_path_to_save_groups": str(rollouts),
+        "seed": args.seed,
+    }
+    return RunSpec.model_validate(
+        {
+            "name": "quickstart",
+            "output": str(out),
+            "inference": inference,
+            "environments": [
+                {
+                    "name": "env",
+                    "file": str(env_file),
+                    "env": env_values,
+                    "args": env_argv,
+                    "max_restarts": 0,
+                }  # fmt: skip
+            ],
+            "base_dir": str(REPO_ROOT),
+        }
+    )
 
 
 def _serve_dtype(config: Any) -> str:

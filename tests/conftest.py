@@ -65,7 +65,8 @@ class ApiProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"run-api exited early:\n{self.log_path.read_text()}")
             try:
-                if httpx.get(self.url + "/info", timeout=1.0).status_code == 200:
+                # 401: up, and started with --api-key
+                if httpx.get(self.url + "/info", timeout=1.0).status_code in (200, 401):
                     return self
             except httpx.TransportError:
                 pass

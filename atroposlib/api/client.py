@@ -12,6 +12,8 @@ viewer (``view-run``).
   ``X-Atropos-Step`` header; a batch whose response was lost (run-api died or the connection
   broke mid-response) is handed out again by a run-api with a durable store, marked
   ``X-Atropos-Redelivered: 1``. An upstream run-api ignores ``ack`` (at-most-once, as before).
+* **API key**: every request carries the key of ``run-api --api-key``, by default from the
+  ``ATROPOS_API_KEY`` environment variable (``Authorization: Bearer KEY``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from typing import Any
 
 import httpx
+
+from atroposlib.utils.api_key import API_KEY_ENV, api_key_headers, resolve_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +47,18 @@ class TrainerClient:
         url: run-api's base URL (``http://localhost:8000``).
         timeout: Seconds one HTTP request may take.
         ack: Acknowledge batches (``GET /batch?ack=N``; at-least-once delivery).
+        api_key: The key of ``run-api --api-key``, sent with every request. None (default):
+            the ``ATROPOS_API_KEY`` environment variable; ``""``: no key.
     """
 
-    def __init__(self, url: str, *, timeout: float = 30.0, ack: bool = True) -> None:
+    def __init__(
+        self, url: str, *, timeout: float = 30.0, ack: bool = True, api_key: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.ack = ack
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout, headers=api_key_headers(resolve_api_key(api_key))
+        )
         #: step of the last batch received (``X-Atropos-Step``), acknowledged on the next /batch
         self.last_step: int | None = None
 
@@ -74,6 +84,11 @@ class TrainerClient:
             try:
                 response = self._http.request(method, path, **kwargs)
                 if response.status_code < 500:
+                    if response.status_code == 401:
+                        raise TrajectoryAPIError(
+                            f"{method} {self.url}{path}: HTTP 401 {response.text[:300]}: set "
+                            f"{API_KEY_ENV} (or api_key=) to run-api's --api-key"
+                        )
                     if response.status_code >= 400:
                         raise TrajectoryAPIError(
                             f"{method} {self.url}{path}: HTTP {response.status_code} "

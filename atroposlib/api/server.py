@@ -4,7 +4,8 @@ Same endpoints, methods, request fields and response shapes as upstream Atropos
 (``atroposlib.api.server:app``), so upstream environments, trainers and scripts work unchanged.
 What differs is documented in ``docs/compat.md``: bad input gets a 4xx that names the field
 instead of a 500, batches go out FIFO, the queue is bounded (429 + ``Retry-After``) and can be
-made durable (``run-api --store PATH``).
+made durable (``run-api --store PATH``), and ``run-api --api-key`` (:class:`ApiKeyMiddleware`)
+makes every endpoint but ``GET /health`` and ``GET /`` require a shared key.
 
 What lives where: request bodies are decompressed, capped, validated and serialised by
 :mod:`atroposlib.api.ingest` (no HTTP there); the queue (:mod:`atroposlib.api.queue`) raises
@@ -18,6 +19,8 @@ answer in a worker thread when the client accepts gzip.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -50,6 +53,7 @@ from atroposlib.api.queue import QueueLimits, Refused, TrajectoryQueue, UnknownE
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, SqliteStore
 from atroposlib.schema import EMPTY_EXAMPLE
+from atroposlib.utils.api_key import API_KEY_ENV
 from atroposlib.utils.http_security import (
     HttpSecurityMiddleware,
     loopback_hosts,
@@ -217,6 +221,80 @@ class RequestBodyMiddleware:
             body.release()
 
 
+#: Endpoints open without the API key (``run-api --api-key``): liveness probes, GET/HEAD only.
+OPEN_PATHS = frozenset({"/", "/health"})
+
+
+def _digest(value: bytes) -> bytes:
+    # compare fixed-length digests so the comparison time does not depend on the key's length
+    return hashlib.sha256(value).digest()
+
+
+class ApiKeyMiddleware:
+    """``run-api --api-key``: every request must carry the key as ``Authorization: Bearer KEY``
+    or ``X-API-Key: KEY``, else ``401`` with a JSON ``detail`` (counted in ``/metrics`` as
+    ``refused_groups_total{reason="unauthorized"}``). Open without it: ``GET``/``HEAD`` of
+    :data:`OPEN_PATHS` (liveness probes) and CORS preflights (browsers never put credentials
+    on those). Keys are compared in constant time; the key is never logged.
+
+    Sits outside :class:`RequestBodyMiddleware`, so a refused request's body is never read.
+    """
+
+    def __init__(self, app: ASGIApp, key: str, on_refused: Callable[[str], None]) -> None:
+        self.app = app
+        self._key_digest = _digest(key.encode("utf-8"))
+        self.on_refused = on_refused
+
+    def _is_open(self, scope: Scope) -> bool:
+        method = scope["method"]
+        if method in ("GET", "HEAD") and scope["path"] in OPEN_PATHS:
+            return True
+        if method == "OPTIONS":  # a CORS preflight: Origin + Access-Control-Request-Method
+            names = {name for name, _ in scope["headers"]}
+            return b"origin" in names and b"access-control-request-method" in names
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or (
+            scope["type"] == "http" and self._is_open(scope)
+        ):
+            await self.app(scope, receive, send)
+            return
+        offered: list[bytes] = []
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                if scheme.lower() == b"bearer":
+                    offered.append(token.strip())
+            elif name == b"x-api-key":
+                offered.append(value.strip())
+        # every offered key is compared (no early exit), each in constant time
+        matched = False
+        for token in offered:
+            matched |= hmac.compare_digest(_digest(token), self._key_digest)
+        if matched:
+            await self.app(scope, receive, send)
+            return
+        self.on_refused("unauthorized")
+        if offered:
+            message = (
+                "invalid API key: the key sent does not match run-api's --api-key "
+                f"(clients send the {API_KEY_ENV} environment variable)"
+            )
+        else:
+            message = (
+                "this API requires a key (run-api --api-key): send 'Authorization: Bearer "
+                f"<key>' or 'X-API-Key: <key>' (clients send the {API_KEY_ENV} environment "
+                "variable)"
+            )
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "unauthorized"})
+            return
+        await JSONResponse(
+            {"detail": message}, 401, headers={"WWW-Authenticate": 'Bearer realm="atropos"'}
+        )(scope, receive, send)
+
+
 class SkipPrecompressedGZip(GZipMiddleware):
     """Starlette's response gzip, leaving alone responses that already set Content-Encoding."""
 
@@ -281,16 +359,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.state.queue = queue
     app.state.settings = settings
 
+    # middleware run outermost first: host/origin checks, CORS, API key, body reading, gzip
     app.add_middleware(SkipPrecompressedGZip, minimum_size=_GZIP_MINIMUM)
-    origins = split_names(settings.cors_allow_origin)
-    if origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=origins,
-            allow_credentials=settings.cors_credentials,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
     budget = IngestBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes))
     app.state.ingest_budget = budget
     app.add_middleware(
@@ -300,6 +370,17 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         retry_after_s=settings.retry_after_s,
         on_refused=queue.count_refused,
     )
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, on_refused=queue.count_refused)
+    origins = split_names(settings.cors_allow_origin)
+    if origins:  # outside the key check, so a browser can read its 401 and send preflights
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_credentials=settings.cors_credentials,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     app.add_middleware(  # outermost: refuses before a body is read
         HttpSecurityMiddleware,
@@ -333,6 +414,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @app.get("/")
     async def root() -> dict[str, str]:
+        """Upstream's liveness probe (open without ``--api-key``)."""
         return {"message": "AtroposLib API"}
 
     @app.post("/register")
@@ -508,7 +590,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness probe (not in upstream)."""
+        """Liveness probe (not in upstream; open without ``--api-key``)."""
         return {"status": "ok", "registered": queue.registered, "step": queue.step}
 
     return app

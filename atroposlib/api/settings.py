@@ -124,6 +124,16 @@ class ApiSettings(BaseModel):
         "localhost, 127.0.0.1 and [::1]. The Host check (against DNS rebinding) is on when "
         "bound to loopback or when names are given; other hosts get 421.",
     )
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description="Shared secret that every request must carry (Authorization: Bearer KEY "
+        "or X-API-Key: KEY), else 401; GET /health and GET / stay open for liveness probes. "
+        "Clients (envs, trainers, tools) send the ATROPOS_API_KEY environment variable. Set it "
+        "whenever the API is reachable from other machines (--host other than loopback); "
+        "prefer the variable to the flag, which other users of the machine can see in ps. "
+        "Unset: no authentication (upstream's behaviour).",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level."
     )
@@ -132,6 +142,21 @@ class ApiSettings(BaseModel):
     @classmethod
     def _sizes(cls, value: Any) -> int:
         return parse_size(value)
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key(cls, value: Any) -> Any:
+        # HTTP drops whitespace around header values: a key read from a file with its newline
+        # must still match what clients send
+        if isinstance(value, str):
+            value = value.strip()
+            if not value:
+                raise ValueError("must not be empty (leave it unset for no authentication)")
+            if not value.isascii() or not value.isprintable():
+                raise ValueError(
+                    "must be printable ASCII: HTTP headers cannot carry other characters"
+                )
+        return value
 
     @field_validator("store_sync", "log_level", mode="before")
     @classmethod

@@ -50,6 +50,8 @@ def _sections() -> dict[str, Callable[[], str]]:
         "view-run": parser_of("atroposlib.cli.view_run"),
         "atropos-quickstart": parser_of("example_trainer.quickstart"),
         "atropos-grpo": parser_of("example_trainer.config"),
+        "atropos-launch": parser_of("atroposlib.cli.launch"),
+        "run-description": render_run_spec,
     }
 
 
@@ -124,6 +126,57 @@ def render_table(flags: ModelFlags, env: bool = False) -> str:
         cells += [f"`{_type_name(annotation)}`", f"`{default}`", _cell(spec.description)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def render_yaml_fields(model: type[Any], prefix: str = "") -> str:
+    """A markdown table of a YAML-only model's fields: key, type, default, description."""
+    from typing import get_args, get_origin
+
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        if field.is_required():
+            default = "required"
+        elif field.default_factory is not None:
+            value = field.default_factory()
+            default = "(see below)" if isinstance(value, BaseModel) else f"`{value}`"
+        elif field.default is PydanticUndefined:
+            default = "—"
+        else:
+            default = (
+                f"`{field.default!r}`" if isinstance(field.default, str) else (f"`{field.default}`")
+            )
+        kind = _type_name(field.annotation)
+        args = [a for a in get_args(field.annotation) if isinstance(a, type)]
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            kind = "mapping"
+        elif get_origin(field.annotation) is list and args and issubclass(args[0], BaseModel):
+            kind = "list of mappings"
+        elif any(issubclass(a, BaseModel) for a in args):
+            kind = "mapping or None"
+        rows.append(
+            f"| `{prefix}{name}` | `{kind}` | {default} | {_cell(field.description or '')} |"
+        )
+    return "\n".join(rows)
+
+
+def render_run_spec() -> str:
+    """The run description of ``atropos-launch``: the top level, then each section."""
+    from atroposlib.launch import spec as s
+
+    parts = [render_yaml_fields(s.RunSpec)]
+    for title, model, prefix in (
+        ("`api:`", s.ApiSpec, "api."),
+        ("`inference:` (a list; each entry)", s.InferenceSpec, "inference[]."),
+        ("`environments:` (a list; each entry)", s.EnvironmentSpec, "environments[]."),
+        ("`trainer:`", s.TrainerSpec, "trainer."),
+        ("`ray:`", s.RaySpec, "ray."),
+        ("`slurm:`", s.SlurmSpec, "slurm."),
+    ):
+        parts.append(f"\n#### {title}\n\n{render_yaml_fields(model, prefix)}")
+    return "\n".join(parts)
 
 
 def _raw_default(flags: ModelFlags, name: str) -> Any:

@@ -89,19 +89,21 @@ def _print_plan(spec: Any) -> None:
         print(f"  {c.name:<20} [{c.role}; {resources}] {where}")
 
 
-def run_launch(spec: Any, options: LaunchOptions) -> int:
-    """Run ``spec`` on ``options.backend`` until it ends; returns the exit status."""
+def run_launch(spec: Any, options: LaunchOptions, backend: Any = None) -> int:
+    """Run ``spec`` on ``options.backend`` (or on ``backend``, a
+    :class:`~atroposlib.launch.orchestrator.Backend` already made) until it ends; returns the
+    exit status."""
     from atroposlib.launch.orchestrator import Run, RunFailed
     from atroposlib.launch.status import status_line, status_table
     from atroposlib.utils.processes import ProcessLaunchError
 
-    if options.backend == "slurm":
+    if options.backend == "slurm" and backend is None:
         from atroposlib.launch.slurm import launch_slurm
 
         return launch_slurm(spec, options)
     log = logging.getLogger("atropos-launch")
     try:
-        backend = make_backend(options.backend, spec)
+        backend = backend or make_backend(options.backend, spec)
     except ImportError as exc:
         print(f"atropos-launch: --backend {options.backend}: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from atroposlib.api.settings import ENV_PREFIX, ApiSettings
 from atroposlib.utils.cli import ModelArgumentParser, ModelFlags
+from atroposlib.utils.http_security import is_loopback
 
 FLAGS = ModelFlags(ApiSettings, env_prefix=ENV_PREFIX)
 
@@ -54,10 +55,14 @@ def parse_settings(
     except ValidationError as exc:
         from_env = {n: environ[f"{ENV_PREFIX}{n.upper()}"] for n in ApiSettings.model_fields
                     if environ.get(f"{ENV_PREFIX}{n.upper()}", "") != ""}  # fmt: skip
+        given = FLAGS.given(args)
+        for values in (given, from_env):  # error messages quote values: never the key
+            if "api_key" in values:
+                values["api_key"] = "<hidden>"
         parser.error(
             FLAGS.describe(
                 exc,
-                FLAGS.given(args),
+                given,
                 from_env,
                 config_path="the environment",
                 config_key=lambda name: f"{ENV_PREFIX}{name.upper()}",
@@ -80,15 +85,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     log = logging.getLogger("atroposlib.api")
     log.info(
-        "Trajectory API on http://%s:%d (store: %s; limits: %d sequences, %d bytes)",
+        "Trajectory API on http://%s:%d (store: %s; limits: %d sequences, %d bytes; %s)",
         settings.host,
         settings.port,
         settings.store or "memory",
         settings.max_queue_sequences,
         settings.max_queue_bytes,
+        "API key required" if settings.api_key else "no API key",
     )
-    if settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("Binding %s: the API has no authentication.", settings.host)
+    if not settings.api_key and not is_loopback(settings.host):
+        log.warning(
+            "Binding %s: the API has no authentication; anyone who can reach this port can "
+            "read batches and post data. Set a shared key with --api-key or %sAPI_KEY (every "
+            "client sends %sAPI_KEY from its environment).",
+            settings.host,
+            ENV_PREFIX,
+            ENV_PREFIX,
+        )
 
     if dev.reload:
         for name, value in settings.model_dump().items():

@@ -86,6 +86,8 @@ class ServeLoop:
         #: Items to roll out again: ``(item, failed attempts so far)``.
         self.retry_queue: deque[tuple[Item, int]] = deque()
         self._wake: asyncio.Event | None = None
+        #: Whether the queue (with what is in flight) covers total_steps: no new rollouts.
+        self._enough_queued = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -115,13 +117,26 @@ class ServeLoop:
                 await env.get_status()
                 next_poll = time.monotonic() + STATUS_POLL_INTERVAL
                 await env.env_step_checks()
-            if self._should_stop():
-                logger.info(
-                    "Enough data for total_steps=%d is queued or trained on; stopping",
-                    env.config.total_steps,
-                )
+            if self._trained_enough():
+                logger.info("The trainer reached total_steps=%d; stopping", env.config.total_steps)
                 return
-            if not self._is_paused(self._effective_status()):
+            enough = self._should_stop()
+            if enough != self._enough_queued:
+                self._enough_queued = enough
+                if enough:
+                    logger.info(
+                        "Enough data for total_steps=%d is queued or trained on; making no more "
+                        "and waiting for the trainer to take it (more is made if the API drops "
+                        "queued groups, e.g. as stale)",
+                        env.config.total_steps,
+                    )
+                else:
+                    logger.info(
+                        "The queue no longer holds enough for total_steps=%d (groups were "
+                        "dropped); making more",
+                        env.config.total_steps,
+                    )
+            if not enough and not self._is_paused(self._effective_status()):
                 await env.add_train_workers()
             self._reap_timeouts()
             self._wake.clear()
@@ -193,7 +208,16 @@ class ServeLoop:
             env.derived_batch_size,
         )
 
+    def _trained_enough(self) -> bool:
+        """Whether the trainer has taken total_steps batches (the env's work is done)."""
+        env = self.env
+        if env.status_dict is None or env.config.batch_size <= 0:
+            return False
+        return int(env.status_dict.get("current_step", 0)) >= env.config.total_steps
+
     def _should_stop(self) -> bool:
+        """Whether the queue plus the trained steps cover total_steps (upstream's stop rule;
+        here the env stops *making* rollouts then, and exits once the trainer got there)."""
         env = self.env
         if env.status_dict is None or env.config.batch_size <= 0:
             return False

@@ -3,7 +3,9 @@
 ``RolloutApiClient`` keeps one connection pool for the env's lifetime and separates failures
 the env should wait out (API down or restarting, 5xx, 429 queue full) from ones it cannot fix
 (other 4xx). ``send`` keeps retrying the first kind with a bounded, jittered backoff until
-``give_up_after_s`` has passed, so a ``run-api`` restart mid-run loses nothing.
+``give_up_after_s`` has passed, so a ``run-api`` restart mid-run loses nothing. It sends the
+key of ``run-api --api-key`` from the ``ATROPOS_API_KEY`` environment variable (a 401 is
+:class:`ApiKeyRejected`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 import httpx
 import orjson
 
+from atroposlib.utils.api_key import API_KEY_ENV, api_key_headers, resolve_api_key
+
 try:  # isal's gzip is several times faster than zlib's at the same ratio
     from isal import igzip as _gzip
 except ImportError:  # pragma: no cover - isal is a core dependency
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GZIP_MINIMUM_BYTES",
+    "ApiKeyRejected",
     "ApiRefused",
     "JsonlWriter",
     "RolloutApiClient",
@@ -102,6 +107,22 @@ class ApiRefused(Exception):
         self.body = body
 
 
+class ApiKeyRejected(ApiRefused):
+    """The API answered 401: this env sent no key or the wrong one (``run-api --api-key``)."""
+
+    def __str__(self) -> str:
+        return (
+            f"HTTP {self.status}: run-api refused this env's API key ({self.body[:300]}); set "
+            f"{API_KEY_ENV} in the env's environment to run-api's --api-key"
+        )
+
+
+def _refusal(resp: httpx.Response) -> ApiRefused:
+    """The exception for a 4xx reply the env cannot fix by waiting."""
+    cls = ApiKeyRejected if resp.status_code == 401 else ApiRefused
+    return cls(resp.status_code, resp.text)
+
+
 def _is_unknown_env(resp: httpx.Response) -> bool:
     if resp.status_code not in (404, 422):
         return False
@@ -133,14 +154,21 @@ class RolloutApiClient:
         request_timeout: Seconds for one request (connecting is capped at 5 s).
         max_backoff_s: Longest wait between two attempts (``Retry-After`` is honoured up to
             twice this).
+        api_key: The key of ``run-api --api-key``, sent with every request. None (default):
+            the ``ATROPOS_API_KEY`` environment variable; ``""``: no key.
     """
 
     def __init__(
-        self, base_url: str, request_timeout: float = 60.0, max_backoff_s: float = 30.0
+        self,
+        base_url: str,
+        request_timeout: float = 60.0,
+        max_backoff_s: float = 30.0,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.request_timeout = request_timeout
         self.max_backoff_s = max_backoff_s
+        self._headers = api_key_headers(resolve_api_key(api_key))
         self._client: httpx.AsyncClient | None = None
 
     @property
@@ -149,6 +177,7 @@ class RolloutApiClient:
         if self._client is None or self._client.is_closed:
             self._client = httpx.AsyncClient(
                 base_url=self.base_url,
+                headers=self._headers,
                 timeout=httpx.Timeout(self.request_timeout, connect=5.0),
                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
             )
@@ -167,6 +196,7 @@ class RolloutApiClient:
 
         Raises:
             UnknownEnvError: The API does not know the env id in ``payload``.
+            ApiKeyRejected: The API refused the key (401).
             httpx.HTTPStatusError: Any other non-2xx reply.
             httpx.TransportError: The API could not be reached.
         """
@@ -178,6 +208,8 @@ class RolloutApiClient:
         resp = await self.client.request(method, path, **kwargs)
         if _is_unknown_env(resp):
             raise UnknownEnvError(resp.text[:300])
+        if resp.status_code == 401:
+            raise _refusal(resp)
         resp.raise_for_status()
         return resp.json()
 
@@ -218,7 +250,8 @@ class RolloutApiClient:
 
         Raises:
             UnknownEnvError: The API does not know the env id (re-register and send again).
-            ApiRefused: A 4xx reply: the data itself was refused.
+            ApiRefused: A 4xx reply: the data itself was refused (``ApiKeyRejected`` for a
+                401: the key was).
             TimeoutError: Still failing after ``give_up_after_s`` seconds.
         """
         body, headers = encode_json_body(payload)
@@ -251,7 +284,7 @@ class RolloutApiClient:
                     reason = f"HTTP {status}"
                     delay = backoff_delay(attempt, maximum=self.max_backoff_s)
                 else:
-                    raise ApiRefused(status, resp.text)
+                    raise _refusal(resp)
             elapsed = time.monotonic() - start
             if elapsed + delay > give_up_after_s:
                 raise TimeoutError(

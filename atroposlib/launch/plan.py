@@ -40,7 +40,10 @@ Role = Literal["api", "inference", "env", "trainer"]
 class Component(BaseModel):
     """One process of a run (see the module docstring for the placeholders)."""
 
-    name: str = Field(description="Unique in the run: run-api, policy-0, arithmetic-1, trainer.")
+    name: str = Field(
+        description="Unique in the run: run-api, policy (one copy) or policy-0, policy-1 ..., "
+        "trainer."
+    )
     role: Role
     group: str = Field(description="The spec entry it comes from (restarts count per copy).")
     index: int = 0
@@ -148,7 +151,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
     inference: list[Component] = []
     for server in spec.inference:
         for i in range(server.count):
-            name = f"{server.name}-{i}"
+            name = server.name if server.count == 1 else f"{server.name}-{i}"
             if server.kind == "external":
                 inference.append(
                     Component(
@@ -197,7 +200,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
             env_values["inference_weight"] = env.weight
         env_values["rollout_server_url"] = "{api_url}"
         for i in range(env.workers):
-            name = f"{env.label}-{i}"
+            name = env.label if env.workers == 1 else f"{env.label}-{i}"
             config_path = f"configs/{name}.yaml"
             environments.append(
                 Component(

@@ -135,28 +135,43 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m atroposlib.launch.runner")
     parser.add_argument("--component", required=True, help="the Component as JSON")
     parser.add_argument("--ctx", required=True, help="placeholder values as JSON")
-    parser.add_argument("--report", required=True, help="file to write {url, host, port, pid}")
+    parser.add_argument(
+        "--report", required=True, help="file to write {url, host, port, pid, node, slurm_step}"
+    )
     args = parser.parse_args(argv)
     component = Component.model_validate_json(args.component)
     ctx = json.loads(args.ctx)
-    proc = HostProcess(component, ctx, extra_env=_key_env()).start()
-    report = Path(args.report)
-    report.parent.mkdir(parents=True, exist_ok=True)
-    tmp = report.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"url": proc.url, "host": proc.host, "port": proc.port,
-                               "pid": proc.pid, "node": socket.gethostname()}))  # fmt: skip
-    os.replace(tmp, report)
+    proc = HostProcess(component, ctx, extra_env=_key_env())
 
-    def _stop(*_: object) -> None:
+    # The handler only interrupts the wait below: stopping the child from inside it would wait
+    # on the Popen lock the interrupted wait() holds (15 + 10 s, then a traceback).
+    def _interrupt(*_: object) -> None:
+        raise _Stopped
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        proc.start()
+        report = Path(args.report)
+        report.parent.mkdir(parents=True, exist_ok=True)
+        tmp = report.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": proc.url, "host": proc.host, "port": proc.port,
+                                   "pid": proc.pid, "node": socket.gethostname(),
+                                   "slurm_step": os.environ.get("SLURM_STEP_ID")}))  # fmt: skip
+        os.replace(tmp, report)
+        assert proc.child is not None and proc.child.proc is not None
+        code = proc.child.proc.wait()
+    except _Stopped:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         proc.stop()
-        raise SystemExit(143)
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    assert proc.child is not None and proc.child.proc is not None
-    code = proc.child.proc.wait()
+        sys.exit(143)
     proc.stop()
     sys.exit(code)
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT reached the runner."""
 
 
 def _key_env() -> dict[str, str]:

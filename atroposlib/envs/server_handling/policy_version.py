@@ -3,9 +3,9 @@
 Inference servers that know it answer ``GET /policy_version`` with ``{"policy_version": N}``
 (``atropos-serve``; the trainer's vLLM launcher). Each ``APIServer`` keeps a
 :class:`PolicyVersionTracker` that learns its server's version without costing a round trip per
-request: the first request of the env waits for one ``GET /policy_version``; after that the
-cached value is used, and once it is older than :attr:`PolicyVersionTracker.ttl` seconds a
-refresh runs in the background. A server without the route (any 4xx, e.g. 404 from a plain
+request: a request waits for one ``GET /policy_version`` only when the cached value is older
+than :attr:`PolicyVersionTracker.ttl` seconds (or there is none yet); the requests that start
+meanwhile share that one ``GET``, and every other request uses the cached value. A server without the route (any 4xx, e.g. 404 from a plain
 OpenAI endpoint) or with an answer of another shape is asked once and then never again: its
 version is None. A failed request (down, 5xx) keeps the last value and is tried again after
 the TTL.
@@ -16,7 +16,10 @@ an ``APIServer`` makes inside it records the version its server had when the req
 runtime stamps on the rollout's groups. Servers report a new version only once its weights
 serve requests, and the value recorded was read before the request was sent, so a stamp is
 never newer than the weights that made the samples (it can be older by up to the TTL after a
-sync: such groups look staler than they are, never fresher).
+sync: such groups look staler than they are, never fresher). Before, a request past the TTL
+used the cached value and refreshed in the background; an env idle for a while (waiting for
+the trainer) then stamped its first groups after a sync with a version several steps old,
+and ``run-api --max-staleness`` dropped them.
 """
 
 from __future__ import annotations
@@ -106,14 +109,13 @@ class PolicyVersionTracker:
         fetch)."""
         if self.supported is False:
             return None
-        if self._checked_at is None:
+        if self._checked_at is None or time.monotonic() - self._checked_at > self.ttl:
+            # Past the TTL the request waits for the fresh answer (one GET, shared by every
+            # request starting meanwhile): a cached value may be from long ago when the env
+            # was idle, e.g. waiting for the trainer while it synced new weights.
             if self._task is None or self._task.done():
                 self._task = asyncio.create_task(self._fetch())
             await asyncio.shield(self._task)
-        elif time.monotonic() - self._checked_at > self.ttl and (
-            self._task is None or self._task.done()
-        ):
-            self._task = asyncio.create_task(self._fetch())
         return self.value
 
     async def _fetch(self) -> None:
