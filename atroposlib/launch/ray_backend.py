@@ -284,8 +284,6 @@ class RayBackend(Backend):
                 "include_dashboard": False,
                 "log_to_driver": False,
             }
-            if spec.bind_host in LOOPBACK:
-                local["_node_ip_address"] = "127.0.0.1"
             ray.init(**local)
             self._initialized_here = self.started_local = True
         self.address = address or "local"

@@ -45,12 +45,18 @@ class RayCluster:
         self.address = f"{self.head_ip}:{self.port}"
         self.head_cpus = head_cpus
         self.node2_cpus = node2_cpus
+        # Ray's token authentication off, said explicitly to every node and every driver
+        # (the test process, launchers it starts: :attr:`auth_env`): left unset, Ray picks a
+        # mode from whether ~/.ray/auth_token exists, differently for a head and a joining
+        # node, and a driver reads it when ray is imported.
+        self.auth_env = {"RAY_AUTH_MODE": "disabled"}
         self.env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
+            **self.auth_env,
         }
         self.env.pop("RAY_ADDRESS", None)
         self.log = Path(self.temp_dir) / "ray-start.log"
@@ -77,14 +83,23 @@ class RayCluster:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=str(REPO),
-                timeout=120,
+                timeout=90,
                 start_new_session=True,
             )
         if done.returncode != 0:
             raise RuntimeError(f"ray start failed:\n{self.log.read_text()[-3000:]}")
 
     def start(self) -> RayCluster:
-        """Start both nodes; returns once the second one has joined."""
+        """Start both nodes; returns once the second one has joined (on failure, what was
+        started is stopped)."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
         # Every node on a loopback address of its own (127.0.0.2, 127.0.0.3), so no traffic
         # leaves loopback: Ray turns 127.0.0.1 (and localhost) into the machine's outward
         # address, but keeps other 127.x addresses.
@@ -93,7 +108,6 @@ class RayCluster:
                         f"--dashboard-port={_free_port()}")  # fmt: skip
         self._ray_start(f"--address={self.address}", f"--node-ip-address={self.node2_ip}",
                         f"--num-cpus={self.node2_cpus}", '--resources={"node2": 100}')  # fmt: skip
-        return self
 
     def _pids(self) -> set[int]:
         """Processes whose command line names this cluster's temp folder, and their

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -35,9 +37,16 @@ REPO = HERE.parents[1]
 def ray_cluster() -> Iterator[RayCluster]:
     """A head (3 CPUs) and a second node (4 CPUs, resource node2), stopped afterwards."""
     cluster = RayCluster(head_cpus=3, node2_cpus=4).start()
+    saved = {k: os.environ.get(k) for k in cluster.auth_env}
+    os.environ.update(cluster.auth_env)  # this process is the driver of the tests' runs
     try:
         yield cluster
     finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         cluster.stop()
 
 
@@ -194,3 +203,78 @@ def test_a_component_that_cannot_fit_fails_with_what_it_asked_for(
     ):
         run.start_api()
         run.start_environments()
+
+
+def _cli(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--status", "lines", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def test_cli_runs_on_the_cluster_in_ray_address(
+    ray_cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``atropos-launch RUN.yaml --backend ray`` joins the cluster named by RAY_ADDRESS."""
+    out = tmp_path / "out"
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "cli-ray",
+                "output": str(out),
+                "environments": [
+                    {
+                        "file": str(REPO / "tests/envs/counting_env.py"),
+                        "resources": {"node2": 1},
+                        "env": {
+                            "tokenizer_name": str(tiny_model_dir),
+                            "use_wandb": False,
+                            "total_steps": 1000,
+                        },
+                    }
+                ],
+                "trainer": {
+                    "command": [
+                        sys.executable,
+                        str(HERE / "pull_batches.py"),
+                        "{api_url}",
+                        "{output}/pulled.json",
+                        "3",
+                        "4",
+                    ],
+                },
+            }
+        )
+    )
+    done = _cli(spec, "--backend", "ray", env={"RAY_ADDRESS": ray_cluster.address})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["backend"] == "ray" and summary["finished"] is True
+    assert summary["components"]["counting_env"]["node"].startswith(ray_cluster.node2_ip)
+    api, pulled = summary["api"], json.loads((out / "pulled.json").read_text())
+    assert pulled["groups"] == api["groups_served"] >= 6
+    assert api["accepted_groups"] == api["groups_served"] + api["queue_groups"] + sum(
+        api["dropped"].values()
+    )
+    assert (out / "logs" / "counting_env.log").is_file()
+
+
+def test_cli_names_a_bad_resources_field(tmp_path: Path) -> None:
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "environments": [
+                    {"file": str(REPO / "tests/envs/counting_env.py"), "resources": {"CPU": 2}}
+                ]
+            }
+        )
+    )
+    done = _cli(spec, "--backend", "ray", "--dry-run")
+    assert done.returncode == 2
+    assert "environments[0].resources: CPU: use cpus / gpus, not resources" in done.stderr
