@@ -278,3 +278,36 @@ def test_cli_names_a_bad_resources_field(tmp_path: Path) -> None:
     done = _cli(spec, "--backend", "ray", "--dry-run")
     assert done.returncode == 2
     assert "environments[0].resources: CPU: use cpus / gpus, not resources" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_shipped_quickstart_run_description_trains_on_ray(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """example_trainer/configs/quickstart-run.yaml, unchanged but for the output folder, on the
+    two-node cluster: run-api, atropos-serve with SmolLM2, the arithmetic env, 3 GRPO steps."""
+    out = tmp_path / "q"
+    spec = REPO / "example_trainer" / "configs" / "quickstart-run.yaml"
+    done = _cli(
+        spec, "--backend", "ray", "--output", str(out), env={"RAY_ADDRESS": ray_cluster.address}
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["finished"] is True and summary["backend"] == "ray"
+    assert {n: c["state"] for n, c in summary["components"].items()} == {
+        "run-api": "stopped",
+        "policy": "stopped",
+        "arithmetic": "done",
+        "trainer": "done",
+    }
+    nodes = {c["node"].split()[0] for c in summary["components"].values()}
+    assert nodes <= {ray_cluster.head_ip, ray_cluster.node2_ip}
+    api = summary["api"]
+    assert api["batches_served"] == 3 and api["step"] == 3
+    assert api["accepted_groups"] == (
+        api["groups_served"]
+        + api["queue_groups"]
+        + api["buffered_groups"]
+        + sum(api["dropped"].values())
+    ), summary
+    assert any((out / "checkpoints").glob("step_3*"))
