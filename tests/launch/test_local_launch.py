@@ -29,9 +29,12 @@ def _spec(tmp_path: Path, tokenizer: Path, **over) -> Path:
                 "name": "counting",
                 "file": str(COUNTING_ENV),
                 "workers": 2,
+                # one rollout at a time, 0.5 s each: about 4 groups/s from two workers, so
+                # the run lasts long enough to kill a worker in the middle of it
                 "env": {
                     "tokenizer_name": str(tokenizer),
-                    "rollout_delay": 0.1,
+                    "rollout_delay": 0.5,
+                    "max_num_workers": 1,
                     "total_steps": 1000,
                     "use_wandb": False,
                 },  # fmt: skip
@@ -44,7 +47,7 @@ def _spec(tmp_path: Path, tokenizer: Path, **over) -> Path:
                 str(PULLER),
                 "{api_url}",
                 "{output}/pulled.json",
-                "8",
+                "16",
                 "4",
             ],  # fmt: skip
         },
@@ -124,8 +127,8 @@ def test_a_killed_worker_is_restarted_and_every_group_is_accounted_for(
     assert summary["components"]["counting-0"]["restarts"] == 0
     assert summary["components"]["trainer"]["state"] == "done"
     pulled = json.loads((tmp_path / "out" / "pulled.json").read_text())
-    # 8 batches, and one more if it was ready when the last one was acknowledged
-    assert pulled["batches"] in (8, 9) and pulled["sequences"] == 4 * pulled["batches"]
+    # 16 batches, and one more if it was ready when the last one was acknowledged
+    assert pulled["batches"] in (16, 17) and pulled["sequences"] == 4 * pulled["batches"]
     assert summary["api"]["batches_served"] == pulled["batches"]
     api = summary["api"]
     # every group the API acknowledged reached the trainer, is still queued, or was dropped
