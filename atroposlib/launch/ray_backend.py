@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections import Counter
 from pathlib import Path
@@ -91,10 +92,17 @@ class _ComponentActor:
 
     def start(self) -> dict[str, Any]:
         """Start the process; where it runs and listens."""
-        Path(str(self.proc.ctx["output"])).mkdir(parents=True, exist_ok=True)
-        if self.proc.component.cwd:
-            Path(self.proc.component.cwd).mkdir(parents=True, exist_ok=True)
-        self.proc.start()
+        try:
+            Path(str(self.proc.ctx["output"])).mkdir(parents=True, exist_ok=True)
+            if self.proc.component.cwd:
+                Path(self.proc.component.cwd).mkdir(parents=True, exist_ok=True)
+            self.proc.start()
+        except OSError as exc:  # e.g. the output folder is not writable on this node
+            raise ProcessLaunchError(
+                f"{self.proc.component.name}: {exc} (on the Ray node at {self.node_ip})"
+            ) from None
+        except ProcessLaunchError as exc:  # e.g. its Python is not installed on this node
+            raise ProcessLaunchError(f"{exc} (on the Ray node at {self.node_ip})") from None
         return {
             "url": self.proc.url,
             "host": self.proc.host,
@@ -269,6 +277,9 @@ class RayBackend(Backend):
         self._groups: dict[str, Any] = {}
         self._handles: list[RayHandle] = []
         self._starts = 0
+        #: names this run's actors and placement groups (several runs of one description may
+        #: share a cluster and a namespace)
+        self.run_id = f"{spec.name}-{secrets.token_hex(3)}"
         address = spec.ray.address or os.environ.get("RAY_ADDRESS") or None
         if ray.is_initialized():
             logger.info("ray backend: using the Ray this process is already connected to")
@@ -323,7 +334,7 @@ class RayBackend(Backend):
         bundles = [_bundle(component) for _ in range(copies)]
         strategy = "SPREAD" if copies > 1 else "PACK"
         pg = placement_group(bundles, strategy=strategy,
-                             name=f"{self.spec.name}:{component.group}")  # fmt: skip
+                             name=f"{self.run_id}:{component.group}")  # fmt: skip
         try:
             ray.get(pg.ready(), timeout=self.placement_timeout)
         except GetTimeoutError:
@@ -348,7 +359,7 @@ class RayBackend(Backend):
             component = component.model_copy(update={"cwd": os.getcwd()})
         self._starts += 1
         actor = ComponentActor.options(
-            name=f"{self.spec.name}:{component.name}:{self._starts}",
+            name=f"{self.run_id}:{component.name}:{self._starts}",
             num_cpus=component.cpus,
             num_gpus=component.gpus,
             resources=dict(component.resources) or None,
@@ -366,8 +377,10 @@ class RayBackend(Backend):
             ) from None
         except ray.exceptions.RayTaskError as exc:
             ray.kill(actor, no_restart=True)
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            raise ProcessLaunchError(f"{component.name}: {cause}") from None
+            cause = str(exc.cause if isinstance(exc.cause, Exception) else exc)
+            if not cause.startswith(f"{component.name}:"):
+                cause = f"{component.name}: {cause}"
+            raise ProcessLaunchError(cause) from None
         except RayActorError as exc:
             raise RunFailed(f"{component.name}: its Ray actor died at start: {exc}") from None
         handle = RayHandle(component, actor, info, self.call_timeout)

@@ -27,6 +27,7 @@ pytest.importorskip("ray", reason="the ray extra is not installed")
 from atroposlib.launch.orchestrator import Run, RunFailed  # noqa: E402
 from atroposlib.launch.ray_backend import ACTOR_LOST, RayBackend  # noqa: E402
 from atroposlib.launch.spec import RunSpec  # noqa: E402
+from atroposlib.utils.processes import ProcessLaunchError  # noqa: E402
 from tests.launch.ray_cluster import RayCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -182,27 +183,40 @@ def test_two_node_run_restarts_killed_workers_and_accounts_for_every_group(
         assert handle is not None and not Path(f"/proc/{handle.pid}").exists()
 
 
-def test_a_component_that_cannot_fit_fails_with_what_it_asked_for(
+def test_a_component_that_cannot_start_fails_with_why_and_where(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
+    """A Python missing on the node, and resources no node has: clear errors, nothing left."""
+    counting = "tests/envs/counting_env.py"
     spec = RunSpec.model_validate(
         {
             "output": str(tmp_path / "run"),
             "base_dir": str(REPO),
             "ray": {"address": ray_cluster.address},
-            "environments": [{"file": "tests/envs/counting_env.py", "resources": {"gpu_pool": 1}}],
+            "environments": [
+                {"name": "nopython", "file": counting, "python": "/nonexistent/python"},
+                {"name": "noroom", "file": counting, "resources": {"gpu_pool": 1}},
+            ],
         }
     )
     run = Run(spec, RayBackend(spec, placement_timeout=3))
-    with (
-        run,
-        pytest.raises(
-            RunFailed,
-            match=r"counting_env: the Ray cluster has no room for 1 x \{'CPU': 1.0, 'gpu_pool': 1.0\}.*in all: \{'CPU': 7.0, 'node2': 100.0\}",
-        ),
-    ):
+    with run:
         run.start_api()
-        run.start_environments()
+        run.ctx["openai_servers"] = []
+        nopython, noroom = run.plan.environments
+        with pytest.raises(
+            ProcessLaunchError,
+            match=r"^nopython: cannot run '/nonexistent/python'.* \(on the Ray node at 127\.0\.0\.[23]\)$",
+        ):
+            run.backend.start(nopython, dict(run.ctx), run.extra_env)
+        with pytest.raises(
+            RunFailed,
+            match=r"noroom: the Ray cluster has no room for 1 x \{'CPU': 1.0, 'gpu_pool': 1.0\}.*"
+            r"in all: \{'CPU': 7.0, 'node2': 100.0\}",
+        ):
+            run.backend.start(noroom, dict(run.ctx), run.extra_env)
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["components"]["run-api"]["state"] == "stopped"
 
 
 def _cli(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
