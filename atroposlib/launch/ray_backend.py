@@ -257,17 +257,22 @@ class RayBackend(Backend):
 
     Args:
         spec: the run description (``ray.address``, ``ray.namespace``, resources).
-        placement_timeout: seconds to wait for the cluster to have room for a component group.
+        placement_timeout: seconds to wait for the cluster to have room for a component group
+            (default: the run description's ``ray.placement_timeout``).
         call_timeout: seconds to wait for an actor to answer ``poll`` / ``log_tail``.
     """
 
     name = "ray"
 
     def __init__(
-        self, spec: RunSpec, *, placement_timeout: float = 120.0, call_timeout: float = 30.0
+        self,
+        spec: RunSpec,
+        *,
+        placement_timeout: float | None = None,
+        call_timeout: float = 30.0,
     ) -> None:
         self.spec = spec
-        self.placement_timeout = placement_timeout
+        self.placement_timeout = placement_timeout or spec.ray.placement_timeout
         self.call_timeout = call_timeout
         self.started_local = False
         self._initialized_here = False

@@ -309,6 +309,12 @@ class RaySpec(_Strict):
         "default: RAY_ADDRESS, else a local Ray started for the run.",
     )
     namespace: str = Field("atropos", description="Ray namespace of the run's actors.")
+    placement_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds to wait for the cluster to have room for a component group (its "
+        "placement group); longer for a cluster that adds nodes on demand.",
+    )
 
 
 class SlurmSpec(_Strict):

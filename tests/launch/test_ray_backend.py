@@ -192,14 +192,14 @@ def test_a_component_that_cannot_start_fails_with_why_and_where(
         {
             "output": str(tmp_path / "run"),
             "base_dir": str(REPO),
-            "ray": {"address": ray_cluster.address},
+            "ray": {"address": ray_cluster.address, "placement_timeout": 3},
             "environments": [
                 {"name": "nopython", "file": counting, "python": "/nonexistent/python"},
                 {"name": "noroom", "file": counting, "resources": {"gpu_pool": 1}},
             ],
         }
     )
-    run = Run(spec, RayBackend(spec, placement_timeout=3))
+    run = Run(spec, RayBackend(spec))
     with run:
         run.start_api()
         run.ctx["openai_servers"] = []
