@@ -107,6 +107,9 @@ def run_launch(spec: Any, options: LaunchOptions, backend: Any = None) -> int:
     except ImportError as exc:
         print(f"atropos-launch: --backend {options.backend}: {exc}", file=sys.stderr)
         return 2
+    except RunFailed as exc:  # e.g. no Ray cluster at ray.address
+        print(f"atropos-launch: --backend {options.backend}: {exc}", file=sys.stderr)
+        return 1
     live_mode = options.status
     if live_mode == "auto":
         live_mode = "live" if sys.stdout.isatty() else "lines"

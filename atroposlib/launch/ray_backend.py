@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -234,6 +235,21 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _check_address(address: str, where: str, timeout: float = 5.0) -> None:
+    """Fail at once, naming ``where``, when nothing listens at a ``HOST:PORT`` address (Ray
+    itself retries for minutes). Other forms (``auto``, ``ray://...``) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise RunFailed(
+            f"{where} {address}: no Ray cluster answers there ({exc}). Start one with "
+            "`ray start --head`, or fix the address."
+        ) from None
+
+
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     """CPU, GPU and custom resources (not memory, node ids or placement-group bookkeeping,
     which Ray names ``NAME_group_[INDEX_]ID``)."""
@@ -289,6 +305,7 @@ class RayBackend(Backend):
         if ray.is_initialized():
             logger.info("ray backend: using the Ray this process is already connected to")
         elif address:
+            _check_address(address, "ray.address" if spec.ray.address else "RAY_ADDRESS")
             ray.init(address=address, namespace=spec.ray.namespace, log_to_driver=False)
             self._initialized_here = True
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -325,3 +326,22 @@ def test_the_shipped_quickstart_run_description_trains_on_ray(
         + sum(api["dropped"].values())
     ), summary
     assert any((out / "checkpoints").glob("step_3*"))
+
+
+def test_cli_says_when_no_ray_cluster_answers_at_the_address(tmp_path: Path) -> None:
+    spec = tmp_path / "run.yaml"
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "output": str(tmp_path / "out"),
+                "ray": {"address": f"127.0.0.1:{port}"},
+                "environments": [{"file": str(REPO / "tests/envs/counting_env.py")}],
+            }
+        )
+    )
+    done = _cli(spec, "--backend", "ray")
+    assert done.returncode == 1, done.stderr
+    assert f"ray.address 127.0.0.1:{port}: no Ray cluster answers there" in done.stderr
