@@ -467,6 +467,7 @@ def _run_spec(
                 "served_model_name": served_name,
                 "port": inference_port,
                 "startup_timeout": 300,
+                "env": {"HF_HUB_OFFLINE": "1"},  # the packaged model: nothing to download
                 "args": [
                     "--log-level",
                     "warning",

@@ -173,9 +173,7 @@ def plan_run(spec: RunSpec) -> RunPlan:
                     group=server.name,
                     index=i,
                     argv=_inference_argv(server, spec),
-                    env={"HF_HUB_OFFLINE": "1", **server.env}
-                    if server.kind == "atropos-serve"
-                    else dict(server.env),  # fmt: skip
+                    env=dict(server.env),
                     health_path="/health",
                     port=server.port + i if server.port else 0,
                     url_suffix="/v1",

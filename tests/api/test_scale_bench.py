@@ -24,6 +24,7 @@ def _table(output: str) -> dict[int, dict[str, str]]:
     return rows
 
 
+@pytest.mark.nightly  # ~20 s; the per-commit CI budget is spent
 def test_scale_bench_with_one_and_two_envs(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     command = [

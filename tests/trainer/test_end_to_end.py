@@ -469,6 +469,7 @@ def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Pat
     assert not _wait_gone(str(tmp_path / "out"))
 
 
+@pytest.mark.nightly  # per-commit CI budget; the reaper itself: test_inference_process.py
 @pytest.mark.slow
 def test_quickstart_repeated_ctrl_c_exits_quietly(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Three Ctrl-C in a row: one line per interrupt, no traceback, exit 130, children gone."""
@@ -492,6 +493,7 @@ def test_quickstart_repeated_ctrl_c_exits_quietly(tmp_path: Path, tiny_model_dir
     assert not _wait_gone(str(tmp_path / "out"), 10)
 
 
+@pytest.mark.nightly  # per-commit CI budget; the reaper itself: test_inference_process.py
 @pytest.mark.slow
 def test_quickstart_sigkill_still_stops_every_child(tmp_path: Path, tiny_model_dir: Path) -> None:
     """SIGKILL leaves quickstart no chance to clean up; its reaper stops run-api, atropos-serve

