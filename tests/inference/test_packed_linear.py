@@ -35,8 +35,12 @@ def test_packed_linear_computes_what_f_linear_computes(
     x = torch.randn(shape, generator=gen).to(dtype)
     with torch.no_grad():
         expected = nn.functional.linear(x, layer.weight, layer.bias)
-        assert pack_linear_weights(layer) == 1
-        assert is_packed(layer)
+        if packing_supported(dtype):
+            assert pack_linear_weights(layer) == 1
+            assert is_packed(layer)
+        else:  # no kernels for this dtype on this CPU: left on the stock path
+            assert pack_linear_weights(layer) == 0
+            assert not is_packed(layer)
         got = layer(x)
     assert got.shape == expected.shape == (*shape[:-1], 80)
     torch.testing.assert_close(got, expected, **_tolerances(dtype))
@@ -73,9 +77,12 @@ def test_packing_a_model_keeps_its_outputs_and_state_dict(
     ids = torch.tensor([[1, 5, 9, 200, 33, 7]])
     params = dict(model.named_parameters())
     linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    supported = packing_supported(dtype)
     with torch.inference_mode():
         stock = model(ids).logits.float()
-        assert pack_linear_weights(model) == linears > 0
+        # where this CPU has no kernels for the dtype, nothing is packed and nothing changes
+        assert pack_linear_weights(model) == (linears if supported else 0)
+        assert linears > 0
         packed = model(ids).logits.float()
     torch.testing.assert_close(packed, stock, **_tolerances(dtype))
     # The parameters themselves are untouched: state dicts, tied embeddings and weight
@@ -83,5 +90,5 @@ def test_packing_a_model_keeps_its_outputs_and_state_dict(
     after = dict(model.named_parameters())
     assert after.keys() == params.keys()
     assert all(after[name] is params[name] for name in params)
-    assert unpack_linear_weights(model) == linears
+    assert unpack_linear_weights(model) == (linears if supported else 0)
     assert not any(is_packed(m) for m in model.modules())
