@@ -28,7 +28,6 @@ eval prompts at temperature 0 and reports ``eval/mean_rubric_score`` (judge rati
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +35,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.judge import (
     DEFAULT_RUBRIC,
@@ -47,6 +46,7 @@ from atroposlib.scoring.judge import (
     score_group_pairwise,
     score_group_rubric,
 )
+from atroposlib.utils.data import load_rows
 
 SYSTEM_PROMPT = "You are a helpful, honest and concise assistant."
 
@@ -125,23 +125,8 @@ PROMPTS: list[tuple[str, str]] = [
 
 def load_prompts(path: str | Path) -> list[dict[str, Any]]:
     """Prompts from a JSONL file of ``{"prompt", "reference"?}`` (errors name the line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts_path: {path} does not exist")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"prompts_path: {path} line {i}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"prompts_path: {path} line {i}: needs a string 'prompt'")
-        rows.append({"prompt": row["prompt"], "reference": row.get("reference")})
-    if not rows:
-        raise ValueError(f"prompts_path: {path} holds no prompts")
-    return rows
+    rows = load_rows(path, flag="prompts_path", required={"prompt": str}, allow_empty=False)
+    return [{"prompt": row["prompt"], "reference": row.get("reference")} for row in rows]
 
 
 class RLAIFEnvConfig(BaseEnvConfig):
@@ -254,16 +239,11 @@ class RLAIFEnv(BaseEnv):
             temperature=self.config.temperature,
         )
         texts = [s.text for s in samples]
-        group: ScoredDataGroup = {
-            "tokens": [s.tokens for s in samples],
-            "masks": [s.masks for s in samples],
-            "scores": [float(s) for s in await self.score_answers(item["prompt"], texts)],
-            "messages": [s.messages for s in samples],
-        }
-        if all(s.logprobs is not None for s in samples):
-            group["inference_logprobs"] = [s.logprobs for s in samples]
-        n = len(texts)
-        group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
+        group = group_from_samples(
+            samples,
+            await self.score_answers(item["prompt"], texts),
+            group_size=self.config.group_size,
+        )
         self.log_train_metric("train/mean_judge_score", group["scores"])
         return group, []
 

@@ -28,7 +28,6 @@ invalid call (unparseable, unknown tool, bad arguments), at most 0.3.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 from pathlib import Path
@@ -47,6 +46,7 @@ from atroposlib.scoring.tools import (
     parse_hermes_calls,
     parse_openai_calls,
 )
+from atroposlib.utils.data import load_rows
 
 SYSTEM_PREAMBLE = (
     "You are a careful assistant with tools. Use the tools to find facts and compute; do not "
@@ -115,23 +115,8 @@ def make_task(rng: random.Random) -> dict[str, Any]:
 
 def load_tasks(path: str | Path) -> list[dict[str, Any]]:
     """Tasks from a JSONL file of ``{"question", "answer"}`` objects (errors name the line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tasks_path: {path} does not exist")
-    tasks = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"tasks_path: {path} line {i}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-            raise ValueError(f"tasks_path: {path} line {i}: needs 'question' and 'answer'")
-        tasks.append({"kind": "file", **row})
-    if not tasks:
-        raise ValueError(f"tasks_path: {path} holds no tasks")
-    return tasks
+    rows = load_rows(path, flag="tasks_path", required=("question", "answer"), allow_empty=False)
+    return [{"kind": "file", **row} for row in rows]
 
 
 # --------------------------------------------------------------------------- scoring

@@ -26,11 +26,12 @@ from typing import Any
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.code import arun_tests, extract_code, humaneval_program, humaneval_tests
 from atroposlib.scoring.sandbox import SandboxLimits
 from atroposlib.utils.concurrency import gather_bounded
+from atroposlib.utils.data import load_rows
 
 HERE = Path(__file__).resolve().parent
 SYSTEM_PROMPT = (
@@ -67,26 +68,18 @@ def humaneval_problems() -> list[dict[str, Any]]:
 
 def mbpp_problems(path: str | Path) -> list[dict[str, Any]]:
     """MBPP-style rows (``text``, ``test_list``, optional ``test_setup_code``/``entry_point``)."""
-    tasks = []
-    with open(path) as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = {"text", "test_list"} - set(row)
-            if missing:
-                raise ValueError(f"mbpp_path: {path} line {number} lacks {sorted(missing)}")
-            tasks.append(
-                {
-                    "kind": "mbpp",
-                    "task_id": str(row.get("task_id", number)),
-                    "prompt": row["text"],
-                    "entry_point": row.get("entry_point"),
-                    "setup": row.get("test_setup_code", ""),
-                    "tests": list(row["test_list"]),
-                }
-            )
-    return tasks
+    rows = load_rows(path, flag="mbpp_path", required={"text": str, "test_list": list})
+    return [
+        {
+            "kind": "mbpp",
+            "task_id": str(row.get("task_id", number)),
+            "prompt": row["text"],
+            "entry_point": row.get("entry_point"),
+            "setup": row.get("test_setup_code", ""),
+            "tests": list(row["test_list"]),
+        }
+        for number, row in enumerate(rows, 1)
+    ]
 
 
 class CodingEnvConfig(BaseEnvConfig):
@@ -202,14 +195,9 @@ class CodingEnv(BaseEnv):
             temperature=self.config.temperature,
         )
         reports = await gather_bounded([self.test_response(item, s.text) for s in samples], 2)
-        group: ScoredDataGroup = {
-            "tokens": [s.tokens for s in samples],
-            "masks": [s.masks for s in samples],
-            "scores": [self.reward(r) for r in reports],
-            "messages": [s.messages for s in samples],
-        }
-        if all(s.logprobs is not None for s in samples):
-            group["inference_logprobs"] = [s.logprobs for s in samples]
+        group = group_from_samples(
+            samples, [self.reward(r) for r in reports], group_size=self.config.group_size
+        )
         self.log_train_metric("train/pass_rate", [float(r.all_passed) for r in reports])
         if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
             return None, []

@@ -196,7 +196,7 @@ def test_local_files_jsonl_json_and_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="list of rows"):
         load_local_rows(tmp_path / "d.json", "train")
     (tmp_path / "e.jsonl").write_text("[1, 2]\n")
-    with pytest.raises(ValueError, match="row 1 is not an object"):
+    with pytest.raises(ValueError, match="e.jsonl line 1 is not an object"):
         load_local_rows(tmp_path / "e.jsonl", "train")
 
 

@@ -29,7 +29,7 @@ def test_prompt_file_and_config_errors(tmp_path: Path, tiny_model_dir: Path) -> 
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    with pytest.raises(ValueError, match="line 2: needs a string 'prompt'"):
+    with pytest.raises(ValueError, match="line 2 lacks \\['prompt'\\]"):
         load_prompts(bad)
     with pytest.raises(FileNotFoundError, match="prompts_path"):
         load_prompts(tmp_path / "missing.jsonl")

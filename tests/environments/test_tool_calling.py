@@ -67,7 +67,7 @@ def test_task_file_errors_name_the_line(tmp_path: Path) -> None:
         load_tasks(tmp_path / "none.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": 1}\n{"question": "no answer"}\n')
-    with pytest.raises(ValueError, match="line 2: needs 'question' and 'answer'"):
+    with pytest.raises(ValueError, match="tasks_path: .*line 2 lacks \\['answer'\\]"):
         load_tasks(bad)
 
 

@@ -53,5 +53,32 @@ def test_errors_name_the_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="expected a list of rows"):
         load_rows(tmp_path / "scalar.json", "train")
     write_jsonl(tmp_path / "list.jsonl", [ROWS[0], [1, 2]])
-    with pytest.raises(ValueError, match="row 2 is not an object"):
+    with pytest.raises(ValueError, match="list.jsonl line 2 is not an object"):
         load_rows(tmp_path / "list.jsonl", "train")
+    (tmp_path / "list.json").write_text(json.dumps([ROWS[0], 7]))
+    with pytest.raises(ValueError, match="list.json row 2 is not an object"):
+        load_rows(tmp_path / "list.json", "train")
+
+
+def test_required_keys_types_and_emptiness_are_checked_naming_the_flag(tmp_path: Path) -> None:
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS, blank_line=True)
+    assert load_rows(rows, required=("question", "answer"), flag="tasks_path") == ROWS
+    assert load_rows(rows, required={"question": str, "answer": (str, int)}) == ROWS
+    # the blank line counts: the second row is on line 3
+    partial = write_jsonl(tmp_path / "partial.jsonl", [ROWS[0], {"question": "q"}], True)
+    with pytest.raises(
+        ValueError, match=r"^tasks_path: .*partial\.jsonl line 3 lacks \['answer'\]"
+    ):
+        load_rows(partial, required=("question", "answer"), flag="tasks_path")
+    typed = write_jsonl(tmp_path / "typed.jsonl", [{"prompt": 3}])
+    with pytest.raises(ValueError, match="line 1: 'prompt' must be str, not int"):
+        load_rows(typed, required={"prompt": str}, flag="prompts_path")
+    with pytest.raises(ValueError, match="line 1: 'prompt' must be str/list, not int"):
+        load_rows(typed, required={"prompt": (str, list)})
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert load_rows(empty) == []
+    with pytest.raises(ValueError, match="^prompts_path: .*empty.jsonl holds no rows"):
+        load_rows(empty, flag="prompts_path", allow_empty=False)
+    with pytest.raises(FileNotFoundError, match="^mbpp_path: no such file"):
+        load_rows(tmp_path / "none.jsonl", flag="mbpp_path")
