@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import sample_chat_group
+from atroposlib.envs.rollout import group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
 SYSTEM_PROMPT = "You are a calculator. Reply with only the final integer answer."
@@ -241,22 +241,16 @@ class ArithmeticEnv(BaseEnv):
             max_tokens=self.config.max_answer_tokens,
             temperature=self.config.temperature,
         )
-        group: ScoredDataGroup = {
-            "tokens": [s.tokens for s in samples],
-            "masks": [s.masks for s in samples],
-            "scores": [self._score(s.text, item["answer"], s.trainable_tokens) for s in samples],
-            "messages": [s.messages for s in samples],
-            "group_overrides": {},
-            # the trainer scales its logits by the temperature the samples were drawn at
-            "generation_params": {
-                "temperature": self.config.temperature,
-                "max_tokens": self.config.max_answer_tokens,
-            },
+        group = group_from_samples(
+            samples,
+            [self._score(s.text, item["answer"], s.trainable_tokens) for s in samples],
+            group_size=self.config.group_size,
+        )
+        # the trainer scales its logits by the temperature the samples were drawn at
+        group["generation_params"] = {
+            "temperature": self.config.temperature,
+            "max_tokens": self.config.max_answer_tokens,
         }
-        if all(s.logprobs is not None for s in samples):
-            group["inference_logprobs"] = [s.logprobs for s in samples]
-        if len(group["tokens"]) != self.config.group_size:
-            group["group_overrides"]["group_size"] = len(group["tokens"])
         self.log_train_metric(
             "train/percent_correct",
             [1.0 if graded_answer(s.text) == item["answer"] else 0.0 for s in samples],

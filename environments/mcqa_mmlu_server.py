@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.answers import extract_choice_letter, format_choices
 from atroposlib.scoring.rewards import length_penalty_scores
@@ -163,14 +163,11 @@ class MMLUEnv(BaseEnv):
             max_tokens=self.config.max_token_length,
             temperature=self.config.temperature,
         )
-        group: ScoredDataGroup = {
-            "tokens": [s.tokens for s in samples],
-            "masks": [s.masks for s in samples],
-            "scores": [self.score_answer(s.text, item) for s in samples],
-            "messages": [s.messages for s in samples],
-        }
-        if all(s.logprobs is not None for s in samples):
-            group["inference_logprobs"] = [s.logprobs for s in samples]
+        group = group_from_samples(
+            samples,
+            [self.score_answer(s.text, item) for s in samples],
+            group_size=self.config.group_size,
+        )
         self.log_train_metric("train/percent_correct", group["scores"])
         if self.config.length_penalty and all(s == 1.0 for s in group["scores"]):
             group["scores"] = length_penalty_scores(

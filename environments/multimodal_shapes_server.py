@@ -33,7 +33,7 @@ from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import eval_completion, sample_chat_group
+from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.images import ascii_art, encode_png, flatten_for_text_model, image_message
 
@@ -196,17 +196,13 @@ class MultimodalShapesEnv(BaseEnv):
             retokenize=self.config.image_transport == "content_parts",
         )
         texts = [s.text for s in samples]
-        group: ScoredDataGroup = {
-            "tokens": [s.tokens for s in samples],
-            "masks": [s.masks for s in samples],
-            "scores": [score_reply(t, scene["answer"]) for t in texts],
-            "messages": [[*vlm, {"role": "assistant", "content": t}] for t in texts],
-        }
-        if all(s.logprobs is not None for s in samples):
-            group["inference_logprobs"] = [s.logprobs for s in samples]
+        group = group_from_samples(
+            samples,
+            [score_reply(t, scene["answer"]) for t in texts],
+            group_size=self.config.group_size,
+            messages=[[*vlm, {"role": "assistant", "content": t}] for t in texts],
+        )
         group["images"] = [b64] * len(texts)
-        n = len(texts)
-        group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
         self.log_train_metric(
             "train/percent_correct", [1.0 if s == 1.0 else 0.0 for s in group["scores"]]
         )

@@ -21,7 +21,12 @@ from typing import Any
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.rollout import (
+    Sample,
+    eval_completion,
+    group_from_samples,
+    sample_chat_group,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring import math as math_scoring
 from atroposlib.scoring.rewards import length_penalty_scores
@@ -204,41 +209,32 @@ class MathVerifyEnv(BaseEnv):
         )
         return self.score_samples(samples, self.gold_for(item)), []
 
+    def _score_sample(self, sample: Sample, gold_parsed: Any) -> float:
+        """1 for the right answer, -1 otherwise, plus format credit: a finished reply of
+        enough tokens with exactly one box."""
+        parsed = math_scoring.parse_response(sample.text)
+        score = 1.0 if math_scoring.verify_answer(parsed, gold_parsed) else -1.0
+        box = math_scoring.final_box(sample.text, sample.finish_reason)
+        if box is not None and sample.trainable_tokens >= self.config.format_min_tokens:
+            if math_scoring.number_in_box(box) is not None:
+                score += self.config.format_reward
+            if any(c.isdigit() for c in box):
+                score += self.config.box_reward
+        return score
+
     def score_samples(self, samples: list[Sample], gold: str) -> ScoredDataGroup | None:
         """Upstream's GSM8K scoring of one group; None when nothing is left to train on."""
         gold_parsed = math_scoring.parse_gold(gold)
         if not gold_parsed:
             return None  # an unparseable gold answer teaches nothing
-        group: ScoredDataGroup = {
-            "tokens": [],
-            "masks": [],
-            "scores": [],
-            "messages": [],
-            "inference_logprobs": [],
-        }
-        for sample in samples:
-            if sample.trainable_tokens < self.config.min_completion_tokens:
-                continue
-            parsed = math_scoring.parse_response(sample.text)
-            correct = math_scoring.verify_answer(parsed, gold_parsed)
-            group["tokens"].append(sample.tokens)
-            group["masks"].append(sample.masks)
-            group["messages"].append(sample.messages)
-            if sample.logprobs is not None:
-                group["inference_logprobs"].append(sample.logprobs)
-            score = 1.0 if correct else -1.0
-            # format credit: a finished reply of enough tokens with exactly one box
-            box = math_scoring.final_box(sample.text, sample.finish_reason)
-            if box is not None and sample.trainable_tokens >= self.config.format_min_tokens:
-                if math_scoring.number_in_box(box) is not None:
-                    score += self.config.format_reward
-                if any(c.isdigit() for c in box):
-                    score += self.config.box_reward
-            group["scores"].append(score)
-        if not group["tokens"]:
+        kept = [s for s in samples if s.trainable_tokens >= self.config.min_completion_tokens]
+        if not kept:
             return None
-        if len(group["inference_logprobs"]) != len(group["tokens"]):
-            del group["inference_logprobs"]
+        group = group_from_samples(
+            kept,
+            [self._score_sample(s, gold_parsed) for s in kept],
+            group_size=self.config.group_size,
+        )
         best = 1.0 + self.config.format_reward + self.config.box_reward
         self.log_train_metric(
             "train/percent_correct", [1.0 if s == best else 0.0 for s in group["scores"]]
@@ -249,8 +245,6 @@ class MathVerifyEnv(BaseEnv):
             )
         # a group whose scores are all equal is dropped (and counted) by BaseEnv when
         # ensure_scores_are_not_same is on
-        if len(group["tokens"]) != self.config.group_size:
-            group["group_overrides"] = {"group_size": len(group["tokens"])}
         # the trainer scales its logits by the temperature the samples were drawn at
         group["generation_params"] = {"temperature": self.config.temperature}
         return group

@@ -7,6 +7,8 @@ logprobs) and a plain OpenAI endpoint (the chat is re-tokenized locally with
 (``ServerManager.managed_server(tokens="auto")``), so environments never branch on it.
 
 * ``Sample`` and ``sample_chat_group``: ``n`` completions of one chat, ready to score.
+* ``group_from_samples``: the ``ScoredDataGroup`` of scored samples (tokens, masks, messages,
+  sampler logprobs when every sample has them, the group size when it differs).
 * ``eval_completion``: one evaluation completion (``split="eval"``), text and finish reason.
 * ``ChatSession``: one multi-turn conversation (observations, tool calls and results) and
   its training trajectory, every assistant turn trained on.
@@ -15,17 +17,19 @@ A single-turn environment::
 
     samples = await sample_chat_group(self, messages, n=self.config.group_size,
                                       max_tokens=256, temperature=1.0)
-    group = {"tokens": [s.tokens for s in samples], "masks": [s.masks for s in samples],
-             "scores": [score(s.text) for s in samples]}
+    group = group_from_samples(samples, [score(s.text) for s in samples],
+                               group_size=self.config.group_size)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from atroposlib.envs.server_handling.managed_server import reply_message
+from atroposlib.schema import ScoredDataGroup
 from atroposlib.utils.tokenize_for_trainer import MASK_VALUE, chat_for_template
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ __all__ = [
     "ChatSession",
     "Sample",
     "eval_completion",
+    "group_from_samples",
     "node_logprobs",
     "sample_chat_group",
     "uses_token_server",
@@ -133,6 +138,42 @@ async def sample_chat_group(
                 )
             )
     return samples
+
+
+def group_from_samples(
+    samples: Sequence[Sample],
+    scores: Sequence[float],
+    *,
+    group_size: int | None = None,
+    messages: list[list[dict[str, Any]]] | None = None,
+) -> ScoredDataGroup:
+    """The ``ScoredDataGroup`` of ``samples`` scored ``scores`` (one score a sample, in order).
+
+    It holds ``tokens``, ``masks``, ``scores`` and ``messages`` (each sample's own chat, or
+    ``messages`` when given); ``inference_logprobs`` only when every sample has sampler logprobs
+    (a token server; a partial list would misalign the trainer); and
+    ``group_overrides = {"group_size": len(samples)}`` when ``group_size`` is given and the
+    group has another size (samples filtered out), so the API packs it as what it is.
+    Add any further keys (``overrides``, ``generation_params``, ``images``...) to the result.
+
+    Raises:
+        ValueError: ``scores`` (or ``messages``) and ``samples`` differ in length.
+    """
+    if len(scores) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(scores)} scores")
+    if messages is not None and len(messages) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(messages)} message lists")
+    group = ScoredDataGroup(
+        tokens=[s.tokens for s in samples],
+        masks=[s.masks for s in samples],
+        scores=[float(score) for score in scores],
+        messages=messages if messages is not None else [s.messages for s in samples],
+    )
+    if samples and all(s.logprobs is not None for s in samples):
+        group["inference_logprobs"] = [s.logprobs for s in samples]  # type: ignore[misc]
+    if group_size is not None and len(samples) != group_size:
+        group["group_overrides"] = {"group_size": len(samples)}
+    return group
 
 
 async def eval_completion(

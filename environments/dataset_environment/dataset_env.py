@@ -47,7 +47,12 @@ from atroposlib.envs.base import (
     BaseEnvConfig,
     ScoredDataGroup,
 )
-from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.rollout import (
+    Sample,
+    eval_completion,
+    group_from_samples,
+    sample_chat_group,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.rewards import (
     REWARD_FUNCTIONS,
@@ -366,26 +371,12 @@ class DatasetEnv(BaseEnv):
 
     def score_samples(self, samples: list[Sample], row: dict[str, Any]) -> ScoredDataGroup | None:
         """One group's ScoredDataGroup; None when nothing is left to train on."""
-        group: ScoredDataGroup = {
-            "tokens": [],
-            "masks": [],
-            "scores": [],
-            "messages": [],
-            "inference_logprobs": [],
-        }
-        for sample in samples:
-            if sample.trainable_tokens < self.config.min_completion_tokens:
-                continue
-            group["tokens"].append(sample.tokens)
-            group["masks"].append(sample.masks)
-            group["messages"].append(sample.messages)
-            if sample.logprobs is not None:
-                group["inference_logprobs"].append(sample.logprobs)
-            group["scores"].append(self.score_text(sample.text, row))
-        if not group["tokens"]:
+        kept = [s for s in samples if s.trainable_tokens >= self.config.min_completion_tokens]
+        if not kept:
             return None
-        if len(group["inference_logprobs"]) != len(group["tokens"]):
-            del group["inference_logprobs"]
+        group = group_from_samples(
+            kept, [self.score_text(s.text, row) for s in kept], group_size=self.config.group_size
+        )
         self.log_train_metric("train/mean_score", group["scores"])
         top = self.max_reward
         if self.config.length_penalty and top > 0 and all(s >= top for s in group["scores"]):
@@ -395,8 +386,6 @@ class DatasetEnv(BaseEnv):
             group["scores"] = [s * f for s, f in zip(group["scores"], factors, strict=True)]
         if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
             return None
-        if len(group["tokens"]) != self.config.group_size:
-            group["group_overrides"] = {"group_size": len(group["tokens"])}
         return group
 
     def _max_tokens(self) -> int:

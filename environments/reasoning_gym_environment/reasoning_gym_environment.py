@@ -34,7 +34,12 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import Sample, eval_completion, sample_chat_group
+from atroposlib.envs.rollout import (
+    Sample,
+    eval_completion,
+    group_from_samples,
+    sample_chat_group,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.math import extract_boxed, strip_think
 
@@ -260,29 +265,19 @@ class ReasoningGymEnv(BaseEnv):
         self, samples: list[Sample], entry: dict[str, Any], dataset: Any
     ) -> ScoredDataGroup | None:
         """One group's ScoredDataGroup; None when nothing is left to train on."""
-        group: ScoredDataGroup = {
-            "tokens": [],
-            "masks": [],
-            "scores": [],
-            "messages": [],
-            "overrides": [],
-            "inference_logprobs": [],
-        }
-        for sample in samples:
-            if sample.trainable_tokens < self.config.min_completion_tokens:
-                continue
-            group["tokens"].append(sample.tokens)
-            group["masks"].append(sample.masks)
-            group["messages"].append(sample.messages)
-            if sample.logprobs is not None:
-                group["inference_logprobs"].append(sample.logprobs)
-            group["scores"].append(self.score_text(sample.text, entry, dataset))
-            too_long = sample.finish_reason == "length" and self.config.mask_too_long_completions
-            group["overrides"].append({"set_advantage_to_zero": True} if too_long else {})
-        if not group["tokens"]:
+        kept = [s for s in samples if s.trainable_tokens >= self.config.min_completion_tokens]
+        if not kept:
             return None
-        if len(group["inference_logprobs"]) != len(group["tokens"]):
-            del group["inference_logprobs"]
+        group = group_from_samples(
+            kept,
+            [self.score_text(s.text, entry, dataset) for s in kept],
+            group_size=self.config.group_size,
+        )
+        mask_too_long = self.config.mask_too_long_completions
+        group["overrides"] = [
+            {"set_advantage_to_zero": True} if mask_too_long and s.finish_reason == "length" else {}
+            for s in kept
+        ]
         self.log_train_metric(
             "train/percent_correct", [1.0 if s >= 0.5 else 0.0 for s in group["scores"]]
         )
@@ -295,8 +290,6 @@ class ReasoningGymEnv(BaseEnv):
             ]
         if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
             return None
-        if len(group["tokens"]) != self.config.group_size:
-            group["group_overrides"] = {"group_size": len(group["tokens"])}
         return group
 
     async def collect_trajectories(

@@ -9,13 +9,19 @@ from typing import Any
 
 import pytest
 
-from atroposlib.envs.rollout import ChatSession, eval_completion, sample_chat_group
+from atroposlib.envs.rollout import (
+    ChatSession,
+    eval_completion,
+    group_from_samples,
+    sample_chat_group,
+)
 from atroposlib.envs.server_handling.managed_server import (
     ManagedServer,
     RetokenizingManagedServer,
 )
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 from atroposlib.envs.server_handling.server_manager import ServerManager
+from atroposlib.schema import ScoredData, check_group
 from atroposlib.utils.tokenize_for_trainer import chat_for_template, tokenize_for_trainer
 
 MESSAGES = [
@@ -85,6 +91,29 @@ async def test_sample_chat_group_on_both_paths(env: Env) -> None:
             chat = sample.messages
             expected = tokenize_for_trainer(env.tokenizer, chat, finish_reason=sample.finish_reason)
             assert (sample.tokens, sample.masks) == (expected["tokens"], expected["masks"])
+
+
+async def test_group_from_samples_is_a_valid_group_on_both_paths(env: Env) -> None:
+    samples = await sample_chat_group(env, MESSAGES, n=3, max_tokens=8, temperature=1.0)
+    group = group_from_samples(samples, [1, 0, 0.5], group_size=3)
+    assert group["tokens"] == [s.tokens for s in samples]
+    assert group["masks"] == [s.masks for s in samples]
+    assert group["messages"] == [s.messages for s in samples]
+    assert group["scores"] == [1.0, 0.0, 0.5]
+    assert "group_overrides" not in group  # the size it was asked for
+    # sampler logprobs travel only from a token server (a plain endpoint has none)
+    assert ("inference_logprobs" in group) == token_server(env)
+    check_group(ScoredData(**group))  # what run-api will accept
+
+    # two samples filtered out of a group of 3: the API is told the size it really has
+    short = group_from_samples(samples[:2], [1, 0], group_size=3)
+    assert short["group_overrides"] == {"group_size": 2}
+    check_group(ScoredData(**short))
+    # logprobs from some samples but not all would misalign the trainer: none are sent
+    mixed = [samples[0], type(samples[1])(**{**vars(samples[1]), "logprobs": None})]
+    assert "inference_logprobs" not in group_from_samples(mixed, [1, 0])
+    with pytest.raises(ValueError, match="3 samples but 2 scores"):
+        group_from_samples(samples, [1, 0])
 
 
 async def test_retokenize_on_a_token_server(env: Env) -> None:
