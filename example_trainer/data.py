@@ -29,26 +29,34 @@ Upstream's trainer padded every sequence of the batch to one length ``L`` with `
 multiple of 64 (``padded_length``); that layout is kept as ``upstream_padding=True`` for GPUs
 where fixed shapes matter more than the extra tokens.
 
-Other differences from upstream, on purpose: the last partial micro-batch is kept (upstream's
-classic trainer dropped it); per-token ``inference_logprobs`` are shifted like the labels (NaN
-where missing, and where the value is positive: a real log-probability never is, and envs put
-1.0 on prompt positions); env-provided ``advantages`` are used instead of scores when present.
+How a group is read (prompt/completion split, advantages from scores or the env's explicit
+``advantages``, ``set_advantage_to_zero``, sampler log-probs, temperature, policy version) is the
+library's: :mod:`atroposlib.trainer.rows` turns each sequence into a ``TrainingRow`` and rejects
+a malformed group naming the field; this module only lays the rows out for the GPU/CPU.
 
-Advantages, per group: the env's ``advantages`` (one per token, or one per sequence) when sent;
-else ``(score - mean) / max(std, 1e-8)`` over the group (a group of one keeps its raw score);
-``overrides[i]["set_advantage_to_zero"]`` makes it 0. Sampling temperature per sequence:
-``overrides[i]["temperature"]``, else ``generation_params["temperature"]``, else
-``group_overrides["temperature"]``, else 1.0.
+Other differences from upstream, on purpose: the last partial micro-batch is kept (upstream's
+classic trainer dropped it); per-token sampler log-probabilities are used (upstream ignored
+them); env-provided ``advantages`` are used instead of scores when present.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from atroposlib.trainer import TrainingRow, group_advantages, rows_from_batch, sample_temperature
+
+__all__ = [
+    "MicroBatch",
+    "TrainingBatch",
+    "group_advantages",
+    "padded_length",
+    "prepare_batch",
+    "sample_temperature",
+]
 
 PAD_MULTIPLE = 64
 """Upstream's padding unit (``padded_length``)."""
@@ -129,66 +137,19 @@ def padded_length(longest: int) -> int:
     return math.ceil((longest - 1) / PAD_MULTIPLE) * PAD_MULTIPLE + 1
 
 
-def group_advantages(group: dict[str, Any]) -> list[list[float] | float]:
-    """Advantage of each sequence of one group: a float, or a per-token list from the env."""
-    scores = [float(s) for s in group["scores"]]
-    env_advantages = group.get("advantages")
-    result: list[list[float] | float] = []
-    if env_advantages is not None:
-        for adv in env_advantages:
-            result.append(float(adv[0]) if len(adv) == 1 else [float(a) for a in adv])
-    elif len(scores) > 1:
-        t = torch.tensor(scores, dtype=torch.float64)
-        # torch's unbiased std, as upstream
-        normalised = (t - t.mean()) / max(float(t.std()), 1e-8)
-        result = [float(a) for a in normalised]
-    else:
-        result = list(scores)
-    overrides = group.get("overrides") or []
-    for i, override in enumerate(overrides):
-        if override and override.get("set_advantage_to_zero"):
-            result[i] = 0.0
-    return result
-
-
-def sample_temperature(group: dict[str, Any], index: int) -> float:
-    """Sampling temperature of sequence ``index`` (see the module docstring for the order)."""
-    overrides = group.get("overrides") or []
-    candidates = [
-        overrides[index] if index < len(overrides) else None,
-        group.get("generation_params"),
-        group.get("group_overrides"),
-    ]
-    for source in candidates:
-        if source and source.get("temperature") is not None:
-            return float(source["temperature"])
-    return 1.0
-
-
-def _row(
-    tokens: Sequence[int],
-    masks: Sequence[int],
-    advantage: list[float] | float,
-    old: Sequence[float | None] | None,
-    temperature: float,
-    group: int,
-) -> _Row:
-    size = len(tokens)
-    if isinstance(advantage, list):
-        adv_full = [float(a) for a in advantage[:size]] + [0.0] * max(0, size - len(advantage))
-    else:
-        adv_full = [float(advantage)] * size
-    old_full = [math.nan] * size
-    if old is not None:
-        for i, value in enumerate(old[:size]):
-            if value is not None and value <= 0:
-                old_full[i] = float(value)
+def _row(row: TrainingRow, group: int) -> _Row:
+    """The shifted form of a library row: ``inputs = tokens[:-1]``, everything else ``[1:]``."""
+    prompt = len(row.prompt_ids)
+    labels = [-100] * prompt + row.labels[prompt:]
+    advantages = [0.0] * prompt + row.advantages
+    sampler = row.sampler_logprobs or [None] * len(row.completion_ids)
+    old = [math.nan] * prompt + [math.nan if v is None else v for v in sampler]
     return _Row(
-        inputs=list(tokens[:-1]),
-        labels=list(masks[1:size]),
-        advantages=adv_full[1:],
-        old=old_full[1:],
-        temperature=temperature,
+        inputs=row.tokens[:-1],
+        labels=labels[1:],
+        advantages=advantages[1:],
+        old=old[1:],
+        temperature=row.temperature,
         group=group,
     )
 
@@ -327,24 +288,16 @@ def prepare_batch(
         upstream_padding: upstream's layout instead: one length for the whole batch (``L - 1``
             a multiple of 64), batch order kept, no sharing.
     """
-    rows: list[_Row] = []
-    scores: list[float] = []
-    group_scores: list[list[float]] = []
-    versions = [group.get("policy_version") for group in batch]
-    total_tokens = 0
-    for g, group in enumerate(batch):
-        advantages = group_advantages(group)
-        inference = group.get("inference_logprobs")
-        group_scores.append([float(s) for s in group["scores"]])
-        scores.extend(group_scores[-1])
-        for i, tokens in enumerate(group["tokens"]):
-            old = inference[i] if inference is not None and i < len(inference) else None
-            total_tokens += len(tokens)
-            rows.append(
-                _row(tokens, group["masks"][i], advantages[i], old, sample_temperature(group, i), g)
-            )
-    if not rows:
+    library_rows = rows_from_batch(batch)
+    if not library_rows:
         raise ValueError("empty batch: no sequences to train on")
+    rows = [_row(r, r.group) for r in library_rows]
+    group_scores: list[list[float]] = [[] for _ in batch]
+    for r in library_rows:
+        group_scores[r.group].append(r.score)
+    scores = [r.score for r in library_rows]
+    versions = [group.get("policy_version") for group in batch]
+    total_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in library_rows)
     num_sequences = len(rows)
     num_tokens = sum(sum(1 for label in r.labels if label != -100) for r in rows)
 

@@ -1,0 +1,238 @@
+"""Torch helpers: :class:`~atroposlib.trainer.rows.TrainingRow` s as padded or packed tensors.
+
+Needs torch (``pip install "atroposlib[trainer]"``); the rest of :mod:`atroposlib.trainer` does
+not. Every tensor here is aligned with the tokens: position ``t`` describes token ``t`` of the
+sequence (its id, whether it is trained, its advantage, the sampler's log-probability of it).
+A causal LM predicts token ``t`` from the logits at position ``t - 1``;
+:func:`token_logprobs` does that shift, so a loss reads, for every position::
+
+    logp = token_logprobs(model(input_ids=..., attention_mask=...).logits, batch)
+    loss = -(batch.advantages * logp * batch.loss_mask).sum() / batch.loss_mask.sum()
+
+Two layouts:
+
+* :func:`pad_rows`: one row per sequence, right-padded to the longest (``pad_to_multiple_of``
+  rounds the width up). Simple; padding costs compute when lengths differ.
+* :func:`pack_rows`: sequences laid end to end in as few rows of at most ``max_tokens`` as
+  first-fit gives, with ``position_ids`` restarting at 0 for each sequence and a block-causal
+  attention mask (:meth:`PackedBatch.attention_mask_4d`) so no sequence attends to another.
+  No padding inside a row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from atroposlib.trainer.rows import TrainingRow
+
+__all__ = ["PackedBatch", "PaddedBatch", "pack_rows", "pad_rows", "token_logprobs"]
+
+
+def _per_token(row: TrainingRow) -> tuple[list[float], list[float], list[float]]:
+    """``(loss_mask, advantages, sampler_logprobs)`` over the whole sequence of ``row``."""
+    prompt = len(row.prompt_ids)
+    mask = [0.0] * prompt + [float(m) for m in row.loss_mask]
+    adv = [0.0] * prompt + [
+        a if m else 0.0 for a, m in zip(row.advantages, row.loss_mask, strict=True)
+    ]
+    sampler = [math.nan] * prompt + [
+        math.nan if v is None else float(v)
+        for v in (row.sampler_logprobs or [None] * len(row.completion_ids))
+    ]
+    return mask, adv, sampler
+
+
+@dataclass
+class PaddedBatch:
+    """Rows as ``[B, T]`` tensors, right-padded (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` long: prompt + completion, then ``pad_id``."""
+    attention_mask: torch.Tensor
+    """``[B, T]`` long: 1 on the sequence's tokens, 0 on padding."""
+    loss_mask: torch.Tensor
+    """``[B, T]`` float: 1 where the token is trained."""
+    advantages: torch.Tensor
+    """``[B, T]`` float: the token's advantage where trained, else 0."""
+    sampler_logprobs: torch.Tensor
+    """``[B, T]`` float: the sampler's log-probability of the token, NaN where unknown."""
+    temperatures: torch.Tensor
+    """``[B]`` float: each sequence's sampling temperature."""
+    policy_versions: list[int | None]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """``[B, T]`` Hugging Face labels (the token id where trained, else -100)."""
+        return torch.where(
+            self.loss_mask > 0, self.input_ids, torch.full_like(self.input_ids, -100)
+        )
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        """The same batch on ``device``."""
+        return PaddedBatch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                     self.advantages, self.sampler_logprobs, self.temperatures)),
+            policy_versions=self.policy_versions,
+        )  # fmt: skip
+
+
+def pad_rows(
+    rows: Sequence[TrainingRow], *, pad_id: int = 0, pad_to_multiple_of: int = 1
+) -> PaddedBatch:
+    """``rows`` as one right-padded :class:`PaddedBatch`."""
+    if not rows:
+        raise ValueError("pad_rows: no rows")
+    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    width = math.ceil(longest / pad_to_multiple_of) * pad_to_multiple_of
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width))
+    adv = torch.zeros((n, width))
+    sampler = torch.full((n, width), math.nan)
+    for i, row in enumerate(rows):
+        tokens = row.tokens
+        size = len(tokens)
+        row_mask, row_adv, row_sampler = _per_token(row)
+        input_ids[i, :size] = torch.tensor(tokens, dtype=torch.long)
+        attention[i, :size] = 1
+        mask[i, :size] = torch.tensor(row_mask)
+        adv[i, :size] = torch.tensor(row_adv)
+        sampler[i, :size] = torch.tensor(row_sampler)
+    return PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=mask,
+        advantages=adv,
+        sampler_logprobs=sampler,
+        temperatures=torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+        policy_versions=[r.policy_version for r in rows],
+    )
+
+
+@dataclass
+class PackedBatch:
+    """Sequences laid end to end in ``R`` rows of ``N`` tokens (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    """``[R, N]`` long (rows shorter than ``N`` end in padding that no sequence attends to)."""
+    position_ids: torch.Tensor
+    """``[R, N]`` long: each sequence's positions restart at 0."""
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    """``[R, N]`` float: the temperature of the sequence each token belongs to."""
+    seq_lens: list[list[int]]
+    """The lengths of the sequences in each row, in order."""
+    row_index: list[list[int]]
+    """For each row, the index (in the ``rows`` given to :func:`pack_rows`) of each sequence."""
+
+    def attention_mask_4d(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[R, 1, N, N]`` additive mask: 0 where a token may attend (earlier tokens of its own
+        sequence, itself), the dtype's lowest value elsewhere. For eager and SDPA attention."""
+        rows, width = self.input_ids.shape
+        allowed = torch.zeros((rows, width, width), dtype=torch.bool)
+        for r, lens in enumerate(self.seq_lens):
+            start = 0
+            for length in lens:
+                block = torch.ones((length, length), dtype=torch.bool).tril()
+                allowed[r, start : start + length, start : start + length] = block
+                start += length
+            # padding attends to itself only, so no row of the softmax is empty
+            for t in range(start, width):
+                allowed[r, t, t] = True
+        mask = torch.zeros((rows, 1, width, width), dtype=dtype)
+        return mask.masked_fill(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+
+    def cu_seqlens(self, row: int = 0) -> torch.Tensor:
+        """Cumulative sequence starts of ``row`` (int32), as varlen attention kernels take."""
+        return torch.tensor(
+            [0, *torch.tensor(self.seq_lens[row]).cumsum(0).tolist()], dtype=torch.int32
+        )
+
+
+def pack_rows(
+    rows: Sequence[TrainingRow], *, max_tokens: int | None = None, pad_id: int = 0
+) -> PackedBatch:
+    """``rows`` packed end to end into rows of at most ``max_tokens`` tokens (first fit, in the
+    given order; default: one row holding everything). A sequence longer than ``max_tokens``
+    raises ``ValueError``."""
+    if not rows:
+        raise ValueError("pack_rows: no rows")
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
+    limit = max_tokens or sum(lengths)
+    if max(lengths) > limit:
+        raise ValueError(
+            f"pack_rows: a sequence of {max(lengths)} tokens exceeds max_tokens={limit}"
+        )
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i, length in enumerate(lengths):
+        for b, free in enumerate(room):
+            if free >= length:
+                bins[b].append(i)
+                room[b] -= length
+                break
+        else:
+            bins.append([i])
+            room.append(limit - length)
+    width = max(sum(lengths[i] for i in b) for b in bins)
+    shape = (len(bins), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    mask = torch.zeros(shape)
+    adv = torch.zeros(shape)
+    sampler = torch.full(shape, math.nan)
+    temps = torch.ones(shape)
+    for r, members in enumerate(bins):
+        start = 0
+        for i in members:
+            row = rows[i]
+            size = lengths[i]
+            span = slice(start, start + size)
+            row_mask, row_adv, row_sampler = _per_token(row)
+            input_ids[r, span] = torch.tensor(row.tokens, dtype=torch.long)
+            positions[r, span] = torch.arange(size)
+            mask[r, span] = torch.tensor(row_mask)
+            adv[r, span] = torch.tensor(row_adv)
+            sampler[r, span] = torch.tensor(row_sampler)
+            temps[r, span] = row.temperature
+            start += size
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=positions,
+        loss_mask=mask,
+        advantages=adv,
+        sampler_logprobs=sampler,
+        temperatures=temps,
+        seq_lens=[[lengths[i] for i in b] for b in bins],
+        row_index=bins,
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, T]`` float32 log-probability of each token given the ones before it.
+
+    Position ``t`` holds ``log p(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1]``;
+    position 0 (nothing predicts it) is 0. ``temperatures`` (``[B]`` per sequence or ``[B, T]``
+    per token, as :class:`PackedBatch` has them) divides the logits first, as the sampler did.
+    In a packed row the first token of each sequence reads the previous sequence's last logits:
+    its value is meaningless, and :func:`pack_rows` never marks it trained (a prompt is never
+    empty).
+    """
+    scaled = logits[:, :-1].float()
+    if temperatures is not None:
+        temps = temperatures.to(scaled.device).float()
+        temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+        temps = temps[:, 1:] if temps.dim() == 2 else temps.unsqueeze(1)
+        scaled = scaled / temps.unsqueeze(-1)
+    targets = input_ids[:, 1:].to(scaled.device)
+    logp = -torch.nn.functional.cross_entropy(scaled.transpose(1, 2), targets, reduction="none")
+    return torch.nn.functional.pad(logp, (1, 0))
