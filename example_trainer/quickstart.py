@@ -72,6 +72,12 @@ class QuickstartOptions(BaseModel):
         "download).",
     )
     steps: int = Field(3, ge=1, description="Trainer steps.")
+    trainer: Literal["grpo", "trl"] = Field(
+        "grpo",
+        description="grpo: the example GRPO trainer (example_trainer/grpo.py). trl: TRL's "
+        "GRPOTrainer through atroposlib.integrations.trl (pip install -e '.[trl]'), same loop, "
+        "same evaluations.",
+    )
     output: str = Field("atropos-quickstart", description="Output folder (created if missing).")
     inference: Literal["atropos-serve", "vllm"] = Field(
         "atropos-serve",
@@ -177,6 +183,17 @@ def _check(options: BaseModel) -> None:
     _flag_list(options.env_arg, "--env-arg")
     _trainer_overrides(options.trainer_arg)
     checkpoints = Path(options.output).expanduser().resolve() / "checkpoints"
+    if options.trainer == "trl":
+        if options.inference != "atropos-serve":
+            raise FlagError("--trainer trl: only with --inference atropos-serve")
+        if options.resume:
+            raise FlagError("--trainer trl: --resume is not supported")
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise FlagError(
+                "--trainer trl: TRL is not installed: pip install -e '.[trl]'"
+            ) from None
     if options.resume and not checkpoints.is_dir():
         raise FlagError(f"--resume: no run to resume in {checkpoints.parent}")
 
@@ -406,7 +423,19 @@ def run(args: QuickstartOptions) -> int:
             return None
 
         threading.Thread(target=_watch, args=(launched, stop_watch, failed), daemon=True).start()
-        final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
+        if args.trainer == "trl":
+            from example_trainer.trl_train import train_trl
+
+            final = train_trl(
+                config,
+                on_step,
+                on_ready=on_ready,
+                sync_at_end=args.eval,
+                num_generations=args.group_size,
+                temperature=_env_temperature(env_argv),
+            )
+        else:
+            final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
         final = _publish_final(final, out)
     except KeyboardInterrupt:
         if failed:
@@ -522,6 +551,15 @@ def _run_spec(
             "base_dir": str(REPO_ROOT),
         }
     )
+
+
+def _env_temperature(env_argv: list[str]) -> float:
+    """The sampling temperature the environment is given (``--env.temperature``), else 1.0."""
+    temperature = 1.0
+    for flag, value in zip(env_argv[::2], env_argv[1::2], strict=True):
+        if flag == "--env.temperature":
+            temperature = float(value)
+    return temperature
 
 
 def _serve_dtype(config: Any) -> str:
