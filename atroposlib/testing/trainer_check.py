@@ -252,11 +252,12 @@ class _Run:
     starved: bool = False
     seconds: float = 0.0
     env_error: str = ""
-    env_done: bool = False
     log_tail: str = ""
     before: list[list[float]] | None = None
     after: list[list[float]] | None = None
     weights_note: str = ""
+    #: where the log-probabilities came from: "server" (atropos-serve) or "folder"
+    probed: str = ""
     served_version: int | None = None
 
 
@@ -399,7 +400,9 @@ def check_trainer(
         if scenario.group_size:
             variables["ATROPOS_CHECK_GROUP_SIZE"] = str(scenario.group_size)
         argv = [_expand(arg, variables) for arg in command]
-        trainer = ChildProcess("trainer", argv, workdir / "trainer.log", env=variables)
+        # variables this run does not set are blanked, not inherited from the caller
+        blank = dict.fromkeys(TRAINER_ENV, "")
+        trainer = ChildProcess("trainer", argv, workdir / "trainer.log", env=blank | variables)
         _supervise(trainer, children, proxy, env, scenario, options.timeout, run)
         if serve_url and run.exit_status == 0:
             run.after = _probe_server(serve_url, seqs, run)
@@ -408,7 +411,7 @@ def check_trainer(
         if env is not None:
             env.stop.set()
             env.join(10)
-            run.env_error, run.env_done = env.error, env.done.is_set()
+            run.env_error = env.error
         if proxy is not None:
             run.calls = sorted(proxy.calls, key=lambda c: c.time)
             proxy.close()
@@ -521,6 +524,7 @@ def _scripted_sequences(scenario: Scenario) -> list[_Seq]:
 def _probe_server(url: str, seqs: list[_Seq], run: _Run) -> list[list[float]] | None:
     from atroposlib.testing.probe import server_logprobs
 
+    run.probed = "server"
     try:
         return server_logprobs(url, [s.expected.tokens for s in seqs])
     except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -547,6 +551,7 @@ def _probe_folders(model: Path, final: Path, seqs: list[_Seq], run: _Run) -> Non
         tokens = [s.expected.tokens for s in seqs]
         run.before = folder_logprobs(model, tokens)
         run.after = folder_logprobs(final, tokens)
+        run.probed = "folder"
     except Exception as exc:  # noqa: BLE001 - any loading failure is reported as the rule's
         run.weights_note = f"could not load {final}: {type(exc).__name__}: {exc}"
 
@@ -893,8 +898,14 @@ def _judge_weights(rules: _Rules, run: _Run, seqs: list[_Seq]) -> None:
     parts = ", ".join(f"{name} {v[0] / v[1]:+.4f}" for name, v in sorted(sums.items()))
     detail = f"mean advantage x change in log-prob: {score:+.5f} (by rule: {parts})"
     if moved < 1e-6:
-        rules.fail("weights", "the log-probabilities did not change: the weights were not trained"
-                   + (" or not synced" if run.served_version is not None else ""))  # fmt: skip
+        rules.fail(
+            "weights",
+            "the log-probabilities served by atropos-serve did not change: the trainer did not "
+            "sync its weights to $ATROPOS_INFERENCE_URL"
+            if run.probed == "server"
+            else "the saved final_model gives the starting model's log-probabilities: the "
+            "weights were not trained",
+        )
     elif not (math.isfinite(score) and score > 0):
         rules.fail("weights", f"{detail}: the weights moved against the advantages")
     else:

@@ -56,8 +56,9 @@ def _checked(result: CheckResult) -> set[str]:
 def test_reference_trainer_passes(tmp_path: Path, tiny_model_dir: Path) -> None:
     result = _check(tmp_path, tiny_model_dir, [sys.executable, WRONG])
     assert result.passed, result.render()
-    # everything but policy versions (the report has none, no server) was checked
-    assert _checked(result) == set(r.name for r in result.rules) - {"policy_version"}
+    # everything was checked (policy versions from the report: there is no server)
+    assert _checked(result) == {r.name for r in result.rules}
+    assert "reported versions" in result.rule("policy_version").detail
     assert "left out" not in result.rule("trained_once").detail
     redelivered = [line for line in _api_log(tmp_path) if "again" in line]
     assert redelivered, "run-api never handed a batch out again"
@@ -67,23 +68,24 @@ def _api_log(tmp_path: Path) -> list[str]:
     return (tmp_path / "check" / "run-api.log").read_text().splitlines()
 
 
+#: Each defect alone, and the rules it must fail (no others). zero-score, ignore-explicit and
+#: multi-turn-as-one are run together as --verl below, and zero-score alone with a fixed size.
 DEFECTS = {
     "flip-sign": {"advantage_sign", "explicit_advantages", "set_advantage_to_zero"},
     "ignore-mask": {"masks", "multi_turn_masks"},
-    "multi-turn-as-one": {"multi_turn_masks"},
-    "zero-score": {"set_advantage_to_zero"},
-    "ignore-explicit": {"explicit_advantages"},
     # the lost batch never comes back; the trainer waits for it until the check stops it
     "no-ack": {"ack", "redelivery", "trainer_runs"},
     # every batch comes again: the first one is trained at every step, the others never
     "stale-ack": {"ack", "redelivery", "trained_once"},
+    "version-from-step": {"policy_version"},
 }
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_each_defect_fails_its_rule(tmp_path: Path, tiny_model_dir: Path, defect: str) -> None:
-    # no final model: the report-based rules alone must name the defect
-    result = _check(tmp_path, tiny_model_dir, [sys.executable, WRONG, f"--{defect}", "--no-save"])
+    # no model, no final_model: the report-based rules alone must name the defect
+    command = [sys.executable, WRONG, f"--{defect}", "--report-only"]
+    result = _check(tmp_path, tiny_model_dir, command)
     assert set(result.failed) == DEFECTS[defect], result.render()
     assert result.rule("weights").status == "skip"
 
@@ -101,7 +103,7 @@ def test_cli_names_verls_three_defects(tmp_path: Path, tiny_model_dir: Path) -> 
     advantages and trains tool/user tokens; ``atropos-check-trainer`` exits 1 naming each."""
     proc = subprocess.run(
         [sys.executable, "-m", "atroposlib.cli.check_trainer", "--model", str(tiny_model_dir),
-         "--workdir", str(tmp_path / "check"), "--", sys.executable, WRONG, "--verl"],
+         "--workdir", str(tmp_path / "check"), "--", sys.executable, WRONG, "--verl", "--report-only"],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )  # fmt: skip
@@ -110,21 +112,26 @@ def test_cli_names_verls_three_defects(tmp_path: Path, tiny_model_dir: Path) -> 
     assert failed == {"set_advantage_to_zero", "explicit_advantages", "multi_turn_masks"}, (
         proc.stdout
     )
-    assert "group 6 (set_advantage_to_zero) sequence 2" in proc.stdout
+    # each rule is failed by the groups made for it
+    for example in (
+        "group 6 (set_advantage_to_zero) sequence 2",  # zeroed score: its sign flips
+        "group 2 (explicit_per_token) sequence 0",
+        "group 1 (multi_turn) sequence 0",
+    ):
+        assert example in proc.stdout, proc.stdout
     assert (tmp_path / "check" / "result.txt").read_text().strip() == proc.stdout.strip()
 
 
 def test_fixed_group_size(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """With --group-size every group has that many sequences (the trainer refuses others),
-    and the output says the mixed case was not checked."""
-    result = _check(tmp_path, tiny_model_dir, [sys.executable, WRONG, "--no-save"], group_size=3)
-    assert result.passed, result.render()
-    assert any("mixed group sizes" in note for note in result.notes)
-    broken = _check(
-        tmp_path / "b", tiny_model_dir, [sys.executable, WRONG, "--no-save", "--zero-score"],
+    """With --group-size every group has that many sequences (the trainer refuses others: it
+    would exit 1), the output says the mixed case was not checked, and set_advantage_to_zero
+    applied to the score is still caught with groups of 2."""
+    result = _check(
+        tmp_path, tiny_model_dir, [sys.executable, WRONG, "--report-only", "--zero-score"],
         group_size=2,
     )  # fmt: skip
-    assert broken.failed == ["set_advantage_to_zero"], broken.render()
+    assert result.failed == ["set_advantage_to_zero"], result.render()
+    assert any("mixed group sizes" in note for note in result.notes)
 
 
 def test_example_trainer_passes(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -151,3 +158,13 @@ def test_example_trainer_passes_with_weight_sync(tmp_path: Path, tiny_model_dir:
     assert result.rule("weights").status == "pass"
     assert result.rule("policy_version").status == "pass"
     assert "served version" in result.rule("policy_version").detail
+
+
+@pytest.mark.slow
+def test_a_trainer_that_never_syncs_fails_with_serve(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The reference trainer saves its model but never pushes it to the inference server:
+    with --serve the served log-probabilities and policy version stay where they were."""
+    result = _check(tmp_path, tiny_model_dir, [sys.executable, WRONG, "--report-only"], serve=True)
+    assert set(result.failed) == {"weights", "policy_version"}, result.render()
+    assert "did not sync" in result.rule("weights").problems[0]
+    assert "policy_version 0" in result.rule("policy_version").problems[0]

@@ -2,9 +2,10 @@
 
 Reads the check's environment variables (``ATROPOS_API_URL``, ``ATROPOS_CHECK_MODEL``,
 ``ATROPOS_CHECK_STEPS``, ``ATROPOS_CHECK_BATCH_SIZE``, ``ATROPOS_CHECK_MAX_TOKEN_LEN``,
-``ATROPOS_CHECK_OUTPUT``), trains with torch and ``TrainerClient`` only (none of the example
-trainer's code: its advantages are computed here, from the contract), reports each sequence
-with ``TrainerReport.sequence`` and saves ``final_model``. Each flag adds one defect the check
+``ATROPOS_CHECK_OUTPUT``, ``ATROPOS_CHECK_GROUP_SIZE``), trains with torch and
+``TrainerClient`` only (none of the example trainer's code: its advantages are computed here,
+from the contract), reports each sequence with ``TrainerReport.sequence`` and saves
+``final_model``. ``--report-only`` skips the model (for tests of the report-based rules). Each flag adds one defect the check
 must name; ``verl`` adds the three defects verl's Atropos recipe has.
 """
 
@@ -14,9 +15,6 @@ import argparse
 import os
 import statistics
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM
 
 from atroposlib.api.client import TrainerClient
 from atroposlib.testing import TrainerReport
@@ -30,6 +28,7 @@ DEFECTS = {
     "no_ack": "GET /batch without ack (at-most-once)",
     "stale_ack": "always acknowledge the starting step (every batch comes again)",
     "lie": "report the contract's advantages, but train with their signs flipped",
+    "version_from_step": "report the trainer's step as each sequence's policy_version",
 }
 
 
@@ -69,6 +68,35 @@ def trained_flags(masks: list[int], args: argparse.Namespace) -> list[int]:
     return flags
 
 
+class Policy:
+    """The model being trained (torch and transformers are imported only for it)."""
+
+    def __init__(self, path: str, lr: float) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.loss = torch.zeros(())
+
+    def add(self, tokens: list[int], flags: list[int], advs: list[float], scale: float) -> None:
+        """Add ``-scale * mean over trained tokens of (advantage * log p(token))``."""
+        torch = self.torch
+        ids = torch.tensor([tokens])
+        logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1], dim=-1)
+        logp = logp.gather(1, ids[0, 1:, None])[:, 0]
+        weight = torch.tensor(advs[1:]) * torch.tensor(flags[1:], dtype=torch.float32)
+        self.loss = self.loss - scale * (weight * logp).sum() / max(sum(flags), 1)
+
+    def step(self) -> None:
+        self.loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.loss = self.torch.zeros(())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     for name, text in DEFECTS.items():
@@ -77,16 +105,17 @@ def main() -> None:
                         "multi_turn_as_one")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--no-save", action="store_true", help="save no final model (no weight-based check)"
+        "--report-only",
+        action="store_true",
+        help="no model: report what would be trained, take no step, save nothing (the check "
+        "then judges the report alone; fast)",
     )
     args = parser.parse_args()
     if args.verl:
         args.zero_score = args.ignore_explicit = args.multi_turn_as_one = True
 
-    torch.manual_seed(0)
     env = os.environ
-    model = AutoModelForCausalLM.from_pretrained(env["ATROPOS_CHECK_MODEL"], dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    policy = None if args.report_only else Policy(env["ATROPOS_CHECK_MODEL"], args.lr)
     report = TrainerReport(env["ATROPOS_TRAINER_REPORT"], standard_advantages=True, name="wrong")
     steps = int(env["ATROPOS_CHECK_STEPS"])
     client = TrainerClient(env["ATROPOS_API_URL"], ack=not args.no_ack)
@@ -99,6 +128,7 @@ def main() -> None:
         num_steps=steps,
     )
     group_size = int(env.get("ATROPOS_CHECK_GROUP_SIZE") or 0)
+    sign = -1.0 if (args.flip_sign or args.lie) else 1.0
     for _ in range(steps):
         batch = client.get_batch(timeout=120, poll=0.2)
         sizes = [len(group["tokens"]) for group in batch]
@@ -107,29 +137,25 @@ def main() -> None:
         if args.stale_ack:
             client.last_step = 0
         rows = [
-            (tokens, group["masks"][i], advs[i])
+            (tokens, group["masks"][i], advs[i], group.get("policy_version"))
             for group in batch
             for advs in [advantages(group, args)]
             for i, tokens in enumerate(group["tokens"])
         ]
-        loss = torch.zeros(())
-        for tokens, masks, advs in rows:
+        for tokens, masks, advs, version in rows:
             flags = trained_flags(masks, args)
-            ids = torch.tensor([tokens])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], dim=-1)
-            logp = logp.gather(1, ids[0, 1:, None])[:, 0]
-            weight = torch.tensor(advs[1:]) * torch.tensor(flags[1:], dtype=torch.float32)
-            sign = -1.0 if (args.flip_sign or args.lie) else 1.0
-            loss = loss - sign * (weight * logp).sum() / max(sum(flags), 1) / len(rows)
+            if policy is not None:
+                policy.add(tokens, flags, advs, sign / len(rows))
             reported = advs if args.lie else [sign * a for a in advs]
-            report.sequence(tokens, flags, reported)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+            if args.version_from_step:
+                version = report.step
+            report.sequence(tokens, flags, reported, policy_version=version)
+        if policy is not None:
+            policy.step()
         report.end_step()
     client.close()
-    if not args.no_save:
-        model.save_pretrained(Path(env["ATROPOS_CHECK_OUTPUT"]) / "final_model")
+    if policy is not None:
+        policy.model.save_pretrained(Path(env["ATROPOS_CHECK_OUTPUT"]) / "final_model")
 
 
 if __name__ == "__main__":
