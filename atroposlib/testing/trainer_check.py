@@ -469,8 +469,9 @@ def _supervise(
     timeout: float,
     run: _Run,
 ) -> None:
-    """Run the trainer to its end, the timeout, or starvation (it waits for a batch that can
-    no longer come: every group was handed out, it received fewer batches than it needs)."""
+    """Run the trainer to its end, the timeout, or starvation: it keeps asking for a batch
+    that can no longer come (every group was handed out and it received fewer batches than it
+    needs, or run-api refused the env's groups)."""
     total = sum(g.size for g in scenario.groups)
     started = time.monotonic()
     try:
@@ -489,9 +490,9 @@ def _supervise(
         handed = {tuple(t) for c in calls if c.batch for g in c.batch for t in g["tokens"]}
         received = {c.step for c in calls if c.batch and not c.cut}
         last = next((c for c in reversed(calls) if c.path == "/batch"), None)
+        exhausted = env.done.is_set() and len(handed) >= total
         if (
-            env.done.is_set()
-            and len(handed) >= total
+            (exhausted or env.error)
             and len(received) < scenario.steps
             and last is not None
             and last.batch is None
@@ -594,6 +595,12 @@ def _judge_process(rules: _Rules, run: _Run, scenario: Scenario) -> None:
     if run.timed_out:
         rules.fail(
             "trainer_runs", f"still running after --timeout; stopped. Log:\n          {tail}"
+        )
+    elif run.starved and run.env_error:
+        rules.fail(
+            "trainer_runs",
+            "waited for batches run-api could not form: it refused the env's groups (see "
+            "'register'); stopped",
         )
     elif run.starved:
         rules.fail(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,20 @@ def test_each_defect_fails_its_rule(tmp_path: Path, tiny_model_dir: Path, defect
     result = _check(tmp_path, tiny_model_dir, command)
     assert set(result.failed) == DEFECTS[defect], result.render()
     assert result.rule("weights").status == "skip"
+
+
+def test_a_registration_that_refuses_the_groups(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """run-api refuses sequences longer than the registered max_token_len: the check says so
+    and stops the trainer waiting for batches that cannot come (instead of the timeout)."""
+    command = [sys.executable, WRONG, "--report-only", "--max-token-len", "12"]
+    started = time.monotonic()
+    result = _check(tmp_path, tiny_model_dir, command)
+    assert time.monotonic() - started < 120  # not the 300 s timeout
+    assert {"register", "trainer_runs"} <= set(result.failed), result.render()
+    assert (
+        "max_token_len=12, below ATROPOS_CHECK_MAX_TOKEN_LEN" in result.rule("register").problems[0]
+    )
+    assert "refused" in result.rule("trainer_runs").problems[0]
 
 
 def test_a_report_that_lies_is_caught_by_the_weights(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--verl", action="store_true", help="zero_score + ignore_explicit + "
                         "multi_turn_as_one")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-token-len", type=int, help="register this, not the check's")
     parser.add_argument(
         "--report-only",
         action="store_true",
@@ -121,7 +122,7 @@ def main() -> None:
     client = TrainerClient(env["ATROPOS_API_URL"], ack=not args.no_ack)
     client.register(
         batch_size=int(env["ATROPOS_CHECK_BATCH_SIZE"]),
-        max_token_len=int(env["ATROPOS_CHECK_MAX_TOKEN_LEN"]),
+        max_token_len=args.max_token_len or int(env["ATROPOS_CHECK_MAX_TOKEN_LEN"]),
         checkpoint_dir=env["ATROPOS_CHECK_OUTPUT"],
         save_checkpoint_interval=steps,
         starting_step=0,
