@@ -361,6 +361,8 @@ def check_trainer(
         options = CheckTrainerOptions(**fields)
     elif fields:
         options = options.model_copy(update=fields)
+    if isinstance(command, str):
+        raise TypeError(f"command is an argv list, not a string: use ['sh', '-c', {command!r}]")
     if not command:
         raise ValueError("no trainer command given")
     if options.workdir:
@@ -734,11 +736,12 @@ def _judge_delivery(
         again = [c for c in deliveries if c.time > cut.time and c.step == cut.step and not c.cut]
         if not again:
             later = next((c for c in run.calls if c.path == "/batch" and c.time > cut.time), None)
-            ack = (
-                "no later GET /batch"
-                if later is None
-                else f"the next GET /batch had ack={later.ack}"
-            )
+            if later is None:
+                ack = "no later GET /batch"
+            else:
+                ack = "the next GET /batch carried " + (
+                    "no ack" if later.ack is None else f"ack={later.ack}"
+                )
             rules.fail(
                 "redelivery",
                 f"the batch of step {cut.step} (its response was cut mid-way) was never handed "
