@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from atroposlib.inference.models import resolve_model_source
+from atroposlib.testing.report import report_from_env
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient
 from example_trainer.checkpoint import (
@@ -134,6 +135,8 @@ def train_step(
     sums: dict[str, float] = {}
     entropy: dict[str, float] = {}
     run_tokens = sum(float(m.mask.sum()) for m in batch.micro_batches)
+    # what the loss trains on, for atropos-check-trainer (only when ATROPOS_TRAINER_REPORT is set)
+    report = report_from_env(standard_advantages=True, name="example_trainer")
     for mb in batch.micro_batches:
         logp = policy_logprobs(model, mb, device, fast=fast, stats=entropy)
         ref_logp = None
@@ -153,6 +156,8 @@ def train_step(
             num_tokens=batch.num_tokens,
         )
         loss.backward()
+        if report is not None:
+            report.shifted_rows(mb.input_ids, mb.labels, mb.advantages, prefix_ids=mb.prefix_ids)
         loss_total += loss.item()
         weight = float(mb.mask.sum()) / max(run_tokens, 1.0)
         for key, value in metrics.items():
@@ -164,6 +169,8 @@ def train_step(
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if report is not None:
+        report.end_step()
     return {
         "loss": loss_total,
         "grad_norm": grad_norm,

@@ -51,6 +51,7 @@ def _sections() -> dict[str, Callable[[], str]]:
         "atropos-quickstart": parser_of("example_trainer.quickstart"),
         "atropos-grpo": parser_of("example_trainer.config"),
         "atropos-launch": parser_of("atroposlib.cli.launch"),
+        "atropos-check-trainer": parser_of("atroposlib.cli.check_trainer"),
         "run-description": render_run_spec,
     }
 
