@@ -126,15 +126,21 @@ class TrainerClient:
         *,
         batch_size: int,
         max_token_len: int,
-        checkpoint_dir: str,
-        save_checkpoint_interval: int,
-        starting_step: int,
         num_steps: int,
+        checkpoint_dir: str = "",
+        save_checkpoint_interval: int = 0,
+        starting_step: int = 0,
         wandb_group: str = "",
         wandb_project: str = "",
         timeout: float | None = 120.0,
     ) -> int:
-        """``POST /register``, retrying until run-api answers; returns the trainer's uuid."""
+        """``POST /register``, retrying until run-api answers; returns the trainer's uuid.
+
+        ``batch_size``: sequences per batch; ``max_token_len``: longest sequence accepted (run-api
+        refuses longer ones); ``num_steps``: steps of the run; ``starting_step``: the step a
+        resumed trainer continues from (batches up to it count as acknowledged);
+        ``checkpoint_dir`` and ``save_checkpoint_interval`` are passed on to environments.
+        """
         body = {
             "wandb_group": wandb_group,
             "wandb_project": wandb_project,
