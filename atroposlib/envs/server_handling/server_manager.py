@@ -424,7 +424,8 @@ class ServerManager:
             if allow not in ("1", "true", "yes"):
                 raise NotImplementedError(
                     "OpenAI endpoints do not support token IDs or logprobs required for "
-                    "ManagedServer. Use server_type='vllm' or 'sglang', or, if placeholder "
+                    "ManagedServer. Use server_type 'vllm', 'atropos-serve', 'sglang' or 'trl' "
+                    "(docs/backends.md), or, if placeholder "
                     "tokens are fine (evaluation only), set ATROPOS_ALLOW_DUMMY_MANAGED_SERVER=1."
                 )
             warnings.warn(
