@@ -279,7 +279,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
 
 
 def _weight_paths(spec: RunSpec) -> list[str]:
-    """Each inference entry's weight path (``none`` for every one in a run without trainer).
+    """Each inference entry's weight path (in a run without a trainer: the one a trainer you
+    start yourself would use, ``none`` for servers that take no weights).
 
     Raises:
         RunSpecError: a run with a trainer whose weights cannot reach one of its servers (an
@@ -287,7 +288,13 @@ def _weight_paths(spec: RunSpec) -> list[str]:
             different kinds (one trainer syncs one kind).
     """
     if spec.trainer is None:
-        return ["none"] * len(spec.inference)
+        paths = []
+        for server in spec.inference:
+            try:
+                paths.append(weight_path(server))
+            except WeightSyncUnsupported:
+                paths.append("none")
+        return paths
     paths = []
     for index, server in enumerate(spec.inference):
         try:

@@ -225,3 +225,51 @@ def test_weight_sync_none_trains_against_an_openai_endpoint(tmp_path: Path) -> N
     assert plan.trainer.files["configs/trainer.yaml"]["inference"] == "none"
     assert "ATROPOS_WEIGHT_SYNC" not in plan.trainer.env
     assert plan.inference[0].synced is False
+
+
+def test_each_kind_is_planned_from_its_backend(tmp_path: Path) -> None:
+    """What the launcher starts and gives the trainer, per kind: several copies of a vLLM are
+    all synced; an external vLLM (server: vllm) is synced like a started one; NCCL adds vLLM's
+    weight-transfer flag; a run without a trainer keeps the flags for one you start."""
+    from atroposlib.launch.plan import plan_run, render
+    from atroposlib.launch.spec import load_run_spec
+
+    def plan(inference: list[dict], trainer: dict | None = None):
+        spec = {"output": str(tmp_path / "out"), "inference": inference,
+                "environments": [{"file": str(TOKEN_ENV)}]}  # fmt: skip
+        if trainer is not None:
+            spec["trainer"] = trainer
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return plan_run(load_run_spec(path))
+
+    two = plan([{"kind": "vllm", "model": "m", "count": 2, "weight_sync": "nccl"}],
+               {"config": {"training_steps": 1}})  # fmt: skip
+    assert [c.name for c in two.inference] == ["policy-0", "policy-1"]
+    assert all(c.synced and "--weight-transfer-config" in c.argv for c in two.inference)
+    assert two.inference[0].env["VLLM_SERVER_DEV_MODE"] == "1"
+    trainer = render(two.trainer.files["configs/trainer.yaml"],
+                     {"synced_inference_urls": "http://a:1,http://b:2", "api_url": "x",
+                      "output": "o"})  # fmt: skip
+    assert (trainer["inference"], trainer["inference_url"], trainer["weight_sync"]) == (
+        "vllm",
+        "http://a:1,http://b:2",
+        "nccl",
+    )
+
+    external = plan([{"kind": "external", "url": "http://gpu:8000/v1", "server": "vllm"}],
+                    {"command": ["my-trainer"]})  # fmt: skip
+    (server,) = external.inference
+    assert (server.backend, server.synced, server.argv) == ("vllm", True, [])
+    assert external.trainer.env["ATROPOS_WEIGHT_SYNC_BACKEND"] == "vllm"
+    assert external.trainer.env["ATROPOS_WEIGHT_SYNC"] == "reload"
+
+    trl = plan([{"kind": "trl-vllm-serve", "model": "m"}], {"config": {"training_steps": 1}})
+    assert trl.inference[0].argv[1:3] == ["-m", "trl.scripts.vllm_serve"]
+    assert trl.trainer.files["configs/trainer.yaml"]["inference"] == "trl-vllm-serve"
+
+    mixed = [{"kind": "vllm", "model": "m"}, {"name": "b", "kind": "atropos-serve", "model": "m"}]
+    with pytest.raises(Exception, match="syncs one kind"):
+        plan(mixed, {"config": {"training_steps": 1}})
+    alone = plan([{"kind": "vllm", "model": "m", "weight_sync": "nccl"}])
+    assert "--weight-transfer-config" in alone.inference[0].argv
