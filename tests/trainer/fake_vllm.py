@@ -10,8 +10,9 @@ With ``VLLM_SERVER_DEV_MODE=1`` (and ``FAKE_VLLM_NO_RL`` unset) it also speaks v
 routes the in-place reload uses, as vLLM 0.32 does: ``POST /pause?mode=``, ``/resume``,
 ``/collective_rpc`` (``reload_weights`` with ``weights_path``: the folder must hold config.json,
 else HTTP 500; afterwards ``/v1/models`` reports it as ``root``), ``/reset_prefix_cache``,
-``/update_weight_version {"new_version"}``, ``GET /weight_info`` and ``/is_paused``; without dev
-mode those answer 404. Launched with ``--middleware`` it answers ``GET /policy_version`` as
+``/update_weight_version {"new_version"}``, ``GET /weight_info``, ``/is_paused`` and
+``/server_info`` (its device: ``$FAKE_VLLM_DEVICE``, default cuda); without dev mode those
+answer 404. Launched with ``--middleware`` it answers ``GET /policy_version`` as
 ``example_trainer/vllm_plugins/atropos_policy_version.py`` does. Launched with
 ``--weight-transfer-config`` it speaks vLLM's weight-transfer protocol with gloo standing in for
 NCCL (one worker): ``GET /get_world_size``, ``POST /init_weight_transfer_engine`` (joins the
@@ -222,6 +223,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"is_paused": state["paused"]})
         elif path == "/get_world_size" and DEV:
             self._send(200, {"world_size": 1})
+        elif path == "/server_info" and DEV:
+            device = os.environ.get("FAKE_VLLM_DEVICE", "cuda")
+            self._send(200, {"vllm_config": {"device_config": {"device": device}}})
         else:
             self._send(404, {"detail": "Not Found"})
 
