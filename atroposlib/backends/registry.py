@@ -197,7 +197,9 @@ def _reachable_address(url: str) -> str:
 class AtroposServeBackend(Backend):
     name = "atropos-serve"
     title = "atropos-serve, the embedded server (CPU or GPU)"
-    server_type = "atropos-serve"
+    # its /generate is vLLM's: upstream's name for that client, which environments run with
+    # upstream's atroposlib also know (``atropos-serve`` is accepted as an alias)
+    server_type = "vllm"
     token_ids = True
     logprobs = "processed"
     logprobs_note = "--logprobs-mode processed_logprobs (its default is raw_logprobs)"

@@ -62,7 +62,7 @@ def test_every_backend_states_what_it_is() -> None:
         for name, b in BACKENDS.items()
     }
     assert table == {
-        "atropos-serve": ("atropos-serve", True, "processed", "native", ("reload",)),
+        "atropos-serve": ("vllm", True, "processed", "native", ("reload",)),
         "vllm": ("vllm", True, "processed", "middleware", ("reload", "nccl")),
         "sglang": ("sglang", True, "processed", None, ("reload",)),
         "trl-vllm-serve": ("trl", True, "processed", "middleware", ("reload", "nccl")),
