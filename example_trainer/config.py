@@ -158,22 +158,34 @@ class TrainingConfig(BaseModel):
     )
 
     # --- inference weight sync --------------------------------------------------------------
-    inference: Literal["vllm", "atropos-serve", "sglang", "none"] = Field(
+    inference: Literal["vllm", "atropos-serve", "sglang", "trl-vllm-serve", "none"] = Field(
         default="vllm",
-        description="How the inference server gets new weights. vllm: the trainer launches "
-        "`python -m vllm.entrypoints.openai.api_server` and syncs it as weight_sync says. "
-        "atropos-serve: the server at inference_url reloads each checkpoint in place (POST "
-        "/reload_weights). sglang: the SGLang server at inference_url loads each checkpoint in "
-        "place (POST /update_weights_from_disk). none: only checkpoints are written.",
+        description="The inference server whose weights the trainer updates "
+        "(docs/backends.md). vllm: by default the trainer launches `python -m "
+        "vllm.entrypoints.openai.api_server` and syncs it as weight_sync says; with "
+        "launch_vllm false it syncs the vLLM running at inference_url. atropos-serve: the "
+        "server at inference_url reloads each checkpoint in place (POST /reload_weights). "
+        "sglang: the SGLang server at inference_url loads each checkpoint in place (POST "
+        "/update_weights_from_disk). trl-vllm-serve: the `trl vllm-serve` at inference_url, "
+        "synced as weight_sync says (reload or nccl). none: only checkpoints are written.",
+    )
+    launch_vllm: bool = Field(
+        default=True,
+        description="inference=vllm: the trainer launches vLLM itself (vllm_* fields). false: "
+        "it syncs the vLLM already running at inference_url, started by you or atropos-launch "
+        "with VLLM_SERVER_DEV_MODE=1 (and, for weight_sync nccl, --weight-transfer-config "
+        '\'{"backend": "nccl"}\'); that server must read checkpoint folders at the '
+        "trainer's paths for weight_sync reload.",
     )
     weight_sync: Literal["reload", "restart", "nccl"] = Field(
         default="reload",
-        description="How the vLLM the trainer launches gets each checkpoint (inference=vllm). "
-        "reload: in place, no restart (vLLM's reload_weights through /collective_rpc between "
-        "/pause and /resume, with VLLM_SERVER_DEV_MODE=1); falls back to restart if the vLLM "
-        "lacks those endpoints. restart: stop vLLM and launch it on the checkpoint (upstream; "
-        "any vLLM version). nccl: the trainer broadcasts its weights to vLLM's workers over "
-        "NCCL (vLLM's weight-transfer API; GPUs only, no checkpoint read back).",
+        description="How vLLM gets each checkpoint (inference vllm or trl-vllm-serve). reload: "
+        "in place, no restart (vLLM's reload_weights through /collective_rpc between /pause "
+        "and /resume, with VLLM_SERVER_DEV_MODE=1); a vLLM the trainer launched falls back to "
+        "restart if it lacks those endpoints. restart: stop vLLM and launch it on the "
+        "checkpoint (upstream; any vLLM version; only a vLLM the trainer launches). nccl: the "
+        "trainer broadcasts its weights to vLLM's workers over NCCL (vLLM's weight-transfer "
+        "API; GPUs only, no checkpoint read back).",
     )
     weight_sync_interval: int = Field(
         default=3,
@@ -202,8 +214,9 @@ class TrainingConfig(BaseModel):
     )
     inference_url: str = Field(
         default="http://127.0.0.1:9001",
-        description="Base URL of the server the trainer does not launch (inference=atropos-serve "
-        "or sglang).",
+        description="Base URL of the running server the trainer syncs (every inference but a "
+        "vLLM it launches); several, comma-separated, are synced together (copies of one "
+        "policy).",
     )
     vllm_port: int = Field(default=9001, ge=1, le=65535, description="Port vLLM listens on.")
     vllm_host: str = Field(default="127.0.0.1", description="Address vLLM binds.")
@@ -267,6 +280,16 @@ class TrainingConfig(BaseModel):
     def _check(self) -> TrainingConfig:
         if self.reference_model is not None and self.kl_coef == 0:
             raise ValueError("reference_model is set but kl_coef is 0: set kl_coef > 0")
+        launched = self.inference == "vllm" and self.launch_vllm
+        if self.weight_sync == "restart" and not launched:
+            raise ValueError(
+                "weight_sync restart relaunches vLLM, which only works for a vLLM the trainer "
+                "launches (inference vllm, launch_vllm true)"
+            )
+        if self.weight_sync == "nccl" and self.inference not in ("vllm", "trl-vllm-serve"):
+            raise ValueError(
+                f"weight_sync nccl is vLLM's weight transfer: not for inference {self.inference}"
+            )
         return self
 
     @property

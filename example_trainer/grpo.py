@@ -255,7 +255,8 @@ def train(
     api = TrainerAPIClient(config.atropos_url)
     paused = False
     try:
-        log.status("starting the inference server" if config.inference == "vllm" else "")
+        launching = config.inference == "vllm" and config.launch_vllm
+        log.status("starting the inference server" if launching else "")
         sync.start(start_model, policy_version=step)
         api.register(
             batch_size=config.api_batch_size,

@@ -3,9 +3,9 @@
 ``ChildProcess`` and the reaper that stops children when this process dies moved to
 :mod:`atroposlib.utils.processes` (``atropos-launch`` uses them too); they are still importable
 from here, and ``InferenceLaunchError`` is the same class as ``ProcessLaunchError``. The
-weight-sync strategies (``VLLMRestart``, ``VLLMReload``, ``AtroposServeReload``,
-``SGLangReload``, ``NoSync``, ``vllm_command``) live in ``example_trainer.weight_sync`` and are
-importable from here as well.
+weight-sync clients (``VLLMRestart``, ``VLLMReload``, ``AtroposServeReload``,
+``SGLangReload``, ``NoSync``, ``vllm_command``) live in :mod:`atroposlib.backends` and are
+importable from here (and from ``example_trainer.weight_sync``) as well.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------ weight sync
 
-# The weight-sync strategies live in example_trainer.weight_sync; their old import path keeps
-# working (lazily: weight_sync imports ChildProcess from here).
+# The weight-sync clients live in atroposlib.backends; this old import path keeps working.
 _WEIGHT_SYNC_NAMES = (
     "AtroposServeReload",
     "NoSync",
@@ -48,7 +47,7 @@ _WEIGHT_SYNC_NAMES = (
 
 def __getattr__(name: str):
     if name in _WEIGHT_SYNC_NAMES:
-        from example_trainer import weight_sync
+        from atroposlib.backends import weight_sync
 
         return getattr(weight_sync, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from atroposlib.backends.registry import gives_token_ids
 from atroposlib.envs.server_handling.server_baseline import ServerBaseline
 
 __all__ = ["SMOLLM2_ALIAS", "load_tokenizer", "resolve_tokenizer_name", "with_server_tokenizers"]
@@ -35,14 +36,14 @@ def load_tokenizer(name: str) -> Any:
 
 
 def with_server_tokenizers(server_configs: Any, env_tokenizer_name: str) -> Any:
-    """``server_configs`` (one or a list) with the tokenizer of token-level servers (vllm,
-    sglang, trl) fixed: ``tokenizer_name`` "none" becomes the env's tokenizer (instead of one
+    """``server_configs`` (one or a list) with the tokenizer of token-level servers (every
+    ``server_type`` but openai: ``atroposlib.backends.gives_token_ids``) fixed: ``tokenizer_name`` "none" becomes the env's tokenizer (instead of one
     named after ``model_name``, often a served alias such as "tiny" that is no tokenizer at
     all) and :data:`SMOLLM2_ALIAS` its folder. Other configs are returned unchanged."""
     env_tokenizer = resolve_tokenizer_name(env_tokenizer_name)
 
     def fix(cfg: Any) -> Any:
-        if not isinstance(cfg, ServerBaseline) or cfg.server_type == "openai":
+        if not isinstance(cfg, ServerBaseline) or not gives_token_ids(cfg.server_type):
             return cfg
         name = cfg.tokenizer_name
         if name == "none":

@@ -1,17 +1,73 @@
 """Request bodies of the OpenAI-compatible endpoints, with vLLM's extra sampling fields.
 
 Only fields the server implements are declared. Unknown fields are ignored (as vLLM and OpenAI
-do), except the features we do not serve, which are rejected with a 400 so a client never
-silently gets something other than it asked for.
+do), except the features we do not serve (OpenAI's and vLLM's request fields this server cannot
+honour, :data:`VLLM_ONLY_DEFAULTS`), which are rejected with a 400 naming the field unless they
+hold their no-op default, so a client never silently gets something other than it asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from atroposlib.inference.sampling import SamplingParams
+
+
+def _unset(value: Any) -> bool:
+    return value in (None, False, {}, [], "")
+
+
+#: vLLM request fields (vLLM 0.32's completion and chat requests) that atropos-serve does not
+#: implement, each with the test of its no-op value: any other value is refused with a 400.
+#: Fields that only label a request (``request_id``, ``session_id``, ``cache_salt``) or only
+#: matter to other endpoints (``return_token_offsets``, ``mm_payload``) are accepted.
+VLLM_ONLY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": _unset,
+    "watermarking": _unset,
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "truncate_prompt_tokens": lambda v: v is None,
+    "allowed_token_ids": _unset,
+    "prompt_logprobs": lambda v: v is None,
+    "logprob_token_ids": _unset,
+    "bad_words": _unset,
+    "prompt_embeds": _unset,
+    "structured_outputs": _unset,
+    "priority": lambda v: v in (None, 0),
+    "kv_transfer_params": _unset,
+    "ec_transfer_params": _unset,
+    "vllm_xargs": _unset,
+    "repetition_detection": _unset,
+    "thinking_token_budget": lambda v: v in (None, -1),
+    "logits_processors": _unset,
+    "routed_experts_prompt_start": lambda v: v in (None, 0),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+}
+#: More of them that only chat requests have.
+VLLM_CHAT_ONLY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "echo": _unset,
+    "documents": _unset,
+    "chat_template": lambda v: v is None,
+    "mm_processor_kwargs": _unset,
+    "media_io_kwargs": _unset,
+    "reasoning_effort": lambda v: v is None,
+    "return_prompt_text": _unset,
+}
+
+
+class UnsupportedFieldError(ValueError):
+    """A request field this server cannot honour (``field`` names it)."""
+
+    def __init__(self, field: str, message: str | None = None) -> None:
+        super().__init__(message or f"'{field}' is not supported by atropos-serve")
+        self.field = field
 
 
 class StreamOptions(BaseModel):
@@ -46,17 +102,33 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    return_token_ids: bool | None = Field(
+        None,
+        description="vLLM extra: choices carry token_ids (the sampled ids) and the prompt's "
+        "prompt_token_ids (per choice for completions, on the response for chat).",
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        None,
+        description="vLLM extra: with logprobs, every token is spelled 'token_id:N'.",
+    )
 
-    unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of", "suffix", "guided_json")
+    unsupported: ClassVar[tuple[str, ...]] = ("logit_bias", "best_of", "suffix")
+    vllm_only: ClassVar[dict[str, Callable[[Any], bool]]] = VLLM_ONLY_DEFAULTS
 
     def check_unsupported(self) -> None:
-        """Raise ``ValueError`` for requested features this server does not implement."""
+        """Raise :class:`UnsupportedFieldError` for requested features this server does not
+        implement (OpenAI's, and vLLM's extras unless they hold their no-op value)."""
         extra = self.model_extra or {}
         for name in self.unsupported:
             value = extra.get(name)
             if value in (None, False, {}, []) or (name == "best_of" and value == self.n):
                 continue
-            raise ValueError(f"'{name}' is not supported by atropos-serve")
+            raise UnsupportedFieldError(name)
+        for name, is_default in self.vllm_only.items():
+            if name in extra and not is_default(extra[name]):
+                raise UnsupportedFieldError(
+                    name, f"'{name}' (a vLLM extra) is not supported by atropos-serve"
+                )
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -97,11 +169,19 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    add_special_tokens: bool = Field(
+        False, description="vLLM extra: add the tokenizer's special tokens (BOS) to the template."
+    )
+
     unsupported: ClassVar[tuple[str, ...]] = _SamplingRequest.unsupported + (
         "tools",
         "functions",
         "response_format",
     )
+    vllm_only: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **VLLM_ONLY_DEFAULTS,
+        **VLLM_CHAT_ONLY_DEFAULTS,
+    }
 
     def check_unsupported(self) -> None:  # noqa: D102 - see base class
         extra = self.model_extra or {}

@@ -5,6 +5,13 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE s
 upstream's ``VLLMServer``), ``POST /reload_weights`` and ``GET /policy_version``. Every error
 body has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
+vLLM's token-id extras on the OpenAI routes work as in vLLM 0.32 (what TRL's ``VLLMClient`` and
+``TrlVllmServer`` read): ``return_token_ids`` adds the sampled ``token_ids`` to each choice and
+the prompt's ``prompt_token_ids`` (per choice for completions, on the response for chat; in the
+first chunk of each choice when streaming); ``return_tokens_as_token_ids`` spells every logprob
+token ``token_id:N``. vLLM request fields this server cannot honour are refused with a 400
+naming them (``protocol.VLLM_ONLY_DEFAULTS``) unless they hold their no-op value.
+
 Policy version: the trainer step whose weights are served (``{"policy_version": N}`` at
 ``GET /policy_version``, also in ``/health``). It starts at ``--policy-version`` (default 0);
 ``/reload_weights`` sets it to the ``policy_version`` of its body, or adds 1 when the body has
@@ -54,6 +61,7 @@ from atroposlib.inference.protocol import (
     CompletionRequest,
     GenerateRequest,
     ReloadRequest,
+    UnsupportedFieldError,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
 from atroposlib.schema import PolicyVersion
@@ -295,29 +303,34 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             return _sse(_chat_stream(state, body, handle))
         outputs = await _wait(request, [handle])
-        choices = [
-            {
+        as_ids = bool(body.return_tokens_as_token_ids)
+        choices = []
+        for out in outputs[0]:
+            choice = {
                 "index": out.index,
                 "message": {"role": "assistant", "content": out.text},
-                "logprobs": _chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs)
+                "logprobs": _chat_logprobs(
+                    state, out.token_ids, out.logprobs, out.top_logprobs, as_ids
+                )
                 if body.logprobs
                 else None,
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
             }
-            for out in outputs[0]
-        ]
-        return _json(
-            {
-                "id": f"chatcmpl-{handle.id}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.model,
-                "choices": choices,
-                "usage": _usage([handle]),
-            },
-            handle,
-        )
+            if body.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
+        reply: dict[str, Any] = {
+            "id": f"chatcmpl-{handle.id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": _usage([handle]),
+        }
+        if body.return_token_ids:  # vLLM: on the response, not per choice
+            reply["prompt_token_ids"] = list(handle.prompt_ids)
+        return _json(reply, handle)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -342,20 +355,23 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             return _sse(_completion_stream(state, body, handles))
         outputs = await _wait(request, handles)
+        as_ids = bool(body.return_tokens_as_token_ids)
         choices = []
         for p, outs in enumerate(outputs):
             for out in outs:
-                choices.append(
-                    {
-                        "index": p * body.n + out.index,
-                        "text": out.text,
-                        "logprobs": _completion_logprobs(state, out, body.logprobs)
-                        if body.logprobs is not None
-                        else None,
-                        "finish_reason": out.finish_reason,
-                        "stop_reason": out.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": p * body.n + out.index,
+                    "text": out.text,
+                    "logprobs": _completion_logprobs(state, out, body.logprobs, as_ids=as_ids)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+                if body.return_token_ids:  # vLLM: both per choice
+                    choice["prompt_token_ids"] = list(handles[p].prompt_ids)
+                    choice["token_ids"] = list(out.token_ids)
+                choices.append(choice)
         return _json(
             {
                 "id": f"cmpl-{handles[0].id}",
@@ -621,8 +637,8 @@ def _check_model(state: ServerState, model: str) -> None:
 def _check_features(body: ChatCompletionRequest | CompletionRequest) -> None:
     try:
         body.check_unsupported()
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+    except UnsupportedFieldError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
 
 
 def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
@@ -763,6 +779,12 @@ def _token_text(state: ServerState, token_id: int) -> str:
     return _decoder(state.tokenizer)(token_id)
 
 
+def _token_label(state: ServerState, token_id: int, as_ids: bool) -> str:
+    """How a logprobs entry spells a token: its text, or ``token_id:N`` with vLLM's
+    ``return_tokens_as_token_ids`` (a token whose text is not valid UTF-8 stays identifiable)."""
+    return f"token_id:{token_id}" if as_ids else _token_text(state, token_id)
+
+
 @lru_cache(maxsize=8)
 def _decoder(tokenizer: Any) -> Callable[[int], str]:
     @lru_cache(maxsize=65536)
@@ -777,6 +799,7 @@ def _chat_logprobs(
     token_ids: list[int],
     logprobs: list[float],
     top: list[list[tuple[int, float]]],
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     content = []
     for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
@@ -784,14 +807,15 @@ def _chat_logprobs(
         alternatives = top[i] if i < len(top) else []
         content.append(
             {
-                "token": text,
+                "token": _token_label(state, token_id, as_ids),
                 "logprob": logprob,
+                # vLLM: the sampled token's bytes are its text's, an alternative's are its label's
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
                     {
-                        "token": _token_text(state, tid),
+                        "token": _token_label(state, tid, as_ids),
                         "logprob": value,
-                        "bytes": list(_token_text(state, tid).encode("utf-8")),
+                        "bytes": list(_token_label(state, tid, as_ids).encode("utf-8")),
                     }
                     for tid, value in alternatives
                 ],
@@ -801,19 +825,24 @@ def _chat_logprobs(
 
 
 def _completion_logprobs(
-    state: ServerState, out: SampleOutput | StreamEvent, k: int | None, offset: int = 0
+    state: ServerState,
+    out: SampleOutput | StreamEvent,
+    k: int | None,
+    offset: int = 0,
+    *,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     tokens, text_offset, top = [], [], []
     position = offset
     for i, token_id in enumerate(out.token_ids):
-        text = _token_text(state, token_id)
-        tokens.append(text)
+        label = _token_label(state, token_id, as_ids)
+        tokens.append(label)
         text_offset.append(position)
-        position += len(text)
-        entry = {text: out.logprobs[i]}
+        position += len(label)  # vLLM counts the label's length, token_id:N included
+        entry = {label: out.logprobs[i]}
         if k and i < len(out.top_logprobs):
             for tid, value in out.top_logprobs[i]:
-                entry.setdefault(_token_text(state, tid), value)
+                entry.setdefault(_token_label(state, tid, as_ids), value)
         top.append(entry)
     return {
         "tokens": tokens,
@@ -891,8 +920,9 @@ async def _chat_stream(
         "created": int(time.time()),
         "model": body.model,
     }
+    as_ids = bool(body.return_tokens_as_token_ids)
     for i in range(body.n):
-        yield {
+        first = {
             **base,
             "choices": [
                 {
@@ -903,25 +933,31 @@ async def _chat_stream(
                 }
             ],
         }
+        if body.return_token_ids:  # vLLM: with each choice's first chunk
+            first["prompt_token_ids"] = list(handle.prompt_ids)
+        yield first
     async for _, event in _merged([handle]):
-        if not event.text and event.finish_reason is None and not body.logprobs:
+        if (
+            not event.text
+            and event.finish_reason is None
+            and not body.logprobs
+            and not (body.return_token_ids and event.token_ids)
+        ):
             continue
-        yield {
-            **base,
-            "choices": [
-                {
-                    "index": event.index,
-                    "delta": {"content": event.text} if event.text else {},
-                    "logprobs": _chat_logprobs(
-                        state, event.token_ids, event.logprobs, event.top_logprobs
-                    )
-                    if body.logprobs
-                    else None,
-                    "finish_reason": event.finish_reason,
-                    "stop_reason": event.stop_reason,
-                }
-            ],
+        choice = {
+            "index": event.index,
+            "delta": {"content": event.text} if event.text else {},
+            "logprobs": _chat_logprobs(
+                state, event.token_ids, event.logprobs, event.top_logprobs, as_ids
+            )
+            if body.logprobs
+            else None,
+            "finish_reason": event.finish_reason,
+            "stop_reason": event.stop_reason,
         }
+        if body.return_token_ids:
+            choice["token_ids"] = list(event.token_ids)
+        yield {**base, "choices": [choice]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": _usage([handle])}
 
@@ -935,26 +971,40 @@ async def _completion_stream(
         "created": int(time.time()),
         "model": body.model,
     }
+    as_ids = bool(body.return_tokens_as_token_ids)
     offsets: dict[int, int] = {}
+    sent_prompt: set[int] = set()
     async for position, event in _merged(handles):
-        if not event.text and event.finish_reason is None and body.logprobs is None:
+        if (
+            not event.text
+            and event.finish_reason is None
+            and body.logprobs is None
+            and not (body.return_token_ids and event.token_ids)
+        ):
             continue
         index = position * body.n + event.index
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(state, event, body.logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + len(event.text)
-        yield {
-            **base,
-            "choices": [
-                {
-                    "index": index,
-                    "text": event.text,
-                    "logprobs": logprobs,
-                    "finish_reason": event.finish_reason,
-                    "stop_reason": event.stop_reason,
-                }
-            ],
+            logprobs = _completion_logprobs(
+                state, event, body.logprobs, offsets.get(index, 0), as_ids=as_ids
+            )
+            # as vLLM: advance by the tokens just reported (text held back for stop strings
+            # lags them)
+            if logprobs["tokens"]:
+                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": event.text,
+            "logprobs": logprobs,
+            "finish_reason": event.finish_reason,
+            "stop_reason": event.stop_reason,
         }
+        if body.return_token_ids:  # vLLM: the prompt's ids with each choice's first chunk
+            choice["prompt_token_ids"] = (
+                list(handles[position].prompt_ids) if index not in sent_prompt else None
+            )
+            sent_prompt.add(index)
+            choice["token_ids"] = list(event.token_ids)
+        yield {**base, "choices": [choice]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": _usage(handles)}

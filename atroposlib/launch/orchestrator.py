@@ -205,6 +205,7 @@ class Run:
             started.append(self._start(component))
         self._wait_ready(started)
         roots: list[str] = []
+        synced: list[str] = []
         servers: list[dict[str, Any]] = []
         for component in self.plan.inference:
             st = self.states[component.name]
@@ -216,8 +217,13 @@ class Run:
                 root = st.handle.url
                 base = root + component.url_suffix
             roots.append(root)
-            servers.append(server_entry(component.kind, base, component.model_name))
+            if component.synced:
+                synced.append(root)
+            servers.append(
+                server_entry(component.backend or component.kind, base, component.model_name)
+            )
         self.ctx["inference_urls"] = ",".join(roots)
+        self.ctx["synced_inference_urls"] = ",".join(synced)
         self.ctx["inference_url"] = roots[0] if roots else ""
         self.ctx["openai_servers"] = servers
         return roots

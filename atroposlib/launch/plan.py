@@ -13,6 +13,8 @@ run starts on real nodes:
 ``{api_url}``, ``{inference_url}``, ``{inference_urls}``
     the API's URL and the inference servers' root URLs, without ``/v1`` (the first; all,
     comma-separated);
+``{synced_inference_urls}``
+    the root URLs of the inference servers the trainer syncs (comma-separated);
 ``{openai_servers}``
     (in config files) the list of ``--openai`` server sections, one per inference server;
 ``{output}``, ``{name}``, ``{index}``
@@ -23,6 +25,7 @@ run starts on real nodes:
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -30,9 +33,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from atroposlib.backends import WeightSyncUnsupported, get_backend
 from atroposlib.launch.spec import InferenceSpec, RunSpec, RunSpecError
 
-__all__ = ["Component", "RunPlan", "plan_run", "render", "server_entry"]
+__all__ = ["Component", "RunPlan", "plan_run", "render", "server_entry", "sync_target"]
 
 Role = Literal["api", "inference", "env", "trainer"]
 
@@ -69,7 +73,13 @@ class Component(BaseModel):
     max_restarts: int = 0
     startup_timeout: float = 60.0
     cwd: str | None = None
-    kind: str = Field("", description="Inference kind (atropos-serve, vllm, sglang, external).")
+    kind: str = Field(
+        "", description="Inference kind (atropos-serve, vllm, sglang, trl-vllm-serve, external)."
+    )
+    backend: str = Field(
+        "", description="Inference backend it runs or points at (atroposlib.backends)."
+    )
+    synced: bool = Field(False, description="Whether the trainer syncs its weights (inference).")
     model_name: str = Field("", description="The model name environments ask for (inference).")
 
 
@@ -91,35 +101,54 @@ class RunPlan(BaseModel):
         return [self.api, *self.inference, *self.environments, *tail]
 
 
-_SERVER_TYPE = {"atropos-serve": "vllm", "vllm": "openai", "sglang": "sglang", "external": "openai"}
-
-
 def _python(value: str | None) -> str:
     return value or sys.executable
 
 
-def _inference_argv(spec: InferenceSpec, run: RunSpec) -> list[str]:
-    python = _python(spec.python)
+def weight_path(server: InferenceSpec) -> str:
+    """How the trainer's weights reach ``server``: ``reload``, ``nccl`` or ``none``.
+
+    Raises:
+        WeightSyncUnsupported: the server cannot take weights and ``weight_sync`` is not none.
+    """
+    chosen = None if server.weight_sync == "auto" else server.weight_sync
+    return get_backend(server.backend).resolve_weight_path(chosen)
+
+
+def _inference_argv(spec: InferenceSpec, run: RunSpec, path: str) -> list[str]:
     model = spec.model or ""
     model_path = run.resolve_path(model)
     if model_path.exists():
         model = str(model_path)
-    name = spec.model_name
-    if spec.kind == "atropos-serve":
-        argv = [python, "-m", "atroposlib.inference.cli", "--model", model,
-                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
-    elif spec.kind == "vllm":
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
-    else:  # sglang
-        argv = [python, "-m", "sglang.launch_server", "--model-path", model,
-                "--served-model-name", name, "--host", "{bind_host}", "--port", "{port}"]  # fmt: skip
-    return argv + list(spec.args)
+    return get_backend(spec.backend).command(
+        model,
+        served_model_name=spec.model_name,
+        host="{bind_host}",
+        port="{port}",
+        python=_python(spec.python),
+        weight_path=path,
+        extra_args=spec.args,
+    )
 
 
-def server_entry(kind: str, base_url: str, model_name: str) -> dict[str, Any]:
-    """The ``--openai`` section an environment gets for one inference server."""
-    return {"base_url": base_url, "model_name": model_name, "server_type": _SERVER_TYPE[kind]}
+def _inference_env(spec: InferenceSpec, path: str) -> dict[str, str]:
+    """The backend's environment (dev mode, plugin folder on ``PYTHONPATH`` ...) with the
+    entry's ``env`` over it; a ``PYTHONPATH`` there is kept after the plugin folder."""
+    base = {**os.environ, **spec.env}
+    env = get_backend(spec.backend).launch_env(weight_path=path, base=base)
+    for key, value in spec.env.items():
+        if key == "PYTHONPATH" and key in env:
+            continue  # already in the backend's PYTHONPATH, after the plugin folder
+        env[key] = value
+    return env
+
+
+def server_entry(backend: str, base_url: str, model_name: str) -> dict[str, Any]:
+    """The ``--openai`` section an environment gets for one inference server (``backend``: a
+    name of ``atroposlib.backends``; ``external`` means an OpenAI endpoint)."""
+    name = "openai" if backend == "external" else backend
+    return {"base_url": base_url, "model_name": model_name,
+            "server_type": get_backend(name).server_type}  # fmt: skip
 
 
 def plan_run(spec: RunSpec) -> RunPlan:
@@ -148,8 +177,10 @@ def plan_run(spec: RunSpec) -> RunPlan:
         cpus=spec.api.cpus,
         startup_timeout=spec.api.startup_timeout,
     )
+    paths = _weight_paths(spec)
     inference: list[Component] = []
-    for server in spec.inference:
+    for index, server in enumerate(spec.inference):
+        path = paths[index]
         for i in range(server.count):
             name = server.name if server.count == 1 else f"{server.name}-{i}"
             if server.kind == "external":
@@ -162,6 +193,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
                         argv=[],
                         external_url=server.url,
                         kind=server.kind,
+                        backend=server.backend,
+                        synced=path != "none",
                         model_name=server.model_name,
                     )  # fmt: skip
                 )
@@ -172,8 +205,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
                     role="inference",
                     group=server.name,
                     index=i,
-                    argv=_inference_argv(server, spec),
-                    env=dict(server.env),
+                    argv=_inference_argv(server, spec, path),
+                    env=_inference_env(server, path),
                     health_path="/health",
                     port=server.port + i if server.port else 0,
                     url_suffix="/v1",
@@ -182,6 +215,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
                     resources=dict(server.resources),
                     startup_timeout=server.startup_timeout,
                     kind=server.kind,
+                    backend=server.backend,
+                    synced=path != "none",
                     model_name=server.model_name,
                 )
             )
@@ -243,11 +278,64 @@ def plan_run(spec: RunSpec) -> RunPlan:
     )
 
 
+def _weight_paths(spec: RunSpec) -> list[str]:
+    """Each inference entry's weight path (in a run without a trainer: the one a trainer you
+    start yourself would use, ``none`` for servers that take no weights).
+
+    Raises:
+        RunSpecError: a run with a trainer whose weights cannot reach one of its servers (an
+            OpenAI endpoint without ``weight_sync: none``), or that would sync servers of
+            different kinds (one trainer syncs one kind).
+    """
+    if spec.trainer is None:
+        paths = []
+        for server in spec.inference:
+            try:
+                paths.append(weight_path(server))
+            except WeightSyncUnsupported:
+                paths.append("none")
+        return paths
+    paths = []
+    for index, server in enumerate(spec.inference):
+        try:
+            paths.append(weight_path(server))
+        except WeightSyncUnsupported as exc:
+            where = f"inference[{index}] ({server.name}, kind {server.kind})"
+            raise RunSpecError(
+                f"{where}: the trainer cannot reach this server's weights: {exc}. Write "
+                "`weight_sync: none` on this entry to train without syncing it."
+            ) from None
+    synced = {(s.backend, p) for s, p in zip(spec.inference, paths, strict=True) if p != "none"}
+    if len(synced) > 1:
+        kinds = ", ".join(f"{b} ({p})" for b, p in sorted(synced))
+        raise RunSpecError(
+            f"inference: the trainer would sync servers of different kinds ({kinds}); a "
+            "trainer syncs one kind: write `weight_sync: none` on the others"
+        )
+    return paths
+
+
+def sync_target(spec: RunSpec) -> tuple[str, str] | None:
+    """``(backend, weight path)`` of the servers the trainer syncs, or None when it syncs
+    none."""
+    paths = _weight_paths(spec)
+    for server, path in zip(spec.inference, paths, strict=True):
+        if path != "none":
+            return server.backend, path
+    return None
+
+
 def _plan_trainer(spec: RunSpec) -> Component:
     assert spec.trainer is not None
     t = spec.trainer
+    target = sync_target(spec)
     env = {"ATROPOS_API_URL": "{api_url}", "ATROPOS_INFERENCE_URLS": "{inference_urls}",
            "ATROPOS_RUN_OUTPUT": "{output}", **t.env}  # fmt: skip
+    if target is not None:
+        # what a trainer of its own needs for atroposlib.backends.weight_sync_client(...)
+        env.setdefault("ATROPOS_WEIGHT_SYNC_BACKEND", target[0])
+        env.setdefault("ATROPOS_WEIGHT_SYNC", target[1])
+        env.setdefault("ATROPOS_WEIGHT_SYNC_URLS", "{synced_inference_urls}")
     if t.command:
         return Component(name="trainer", role="trainer", group="trainer", argv=list(t.command),
                          env=env, cpus=t.cpus, gpus=t.gpus,
@@ -255,19 +343,23 @@ def _plan_trainer(spec: RunSpec) -> Component:
     config: dict[str, Any] = {k.replace("-", "_"): v for k, v in t.config.items()}
     config.setdefault("atropos_url", "{api_url}")
     first = next((s for s in spec.inference), None)
+    if target is None:
+        config.setdefault("inference", "none")
+    else:
+        backend, path = target
+        config.setdefault("inference", backend)
+        config.setdefault("inference_url", "{synced_inference_urls}")
+        if backend in ("vllm", "trl-vllm-serve"):
+            config.setdefault("launch_vllm", False)  # the launcher started it
+            config.setdefault("weight_sync", path)
     if first is not None:
-        config.setdefault("inference_url", "{inference_url}")
-        config.setdefault(
-            "inference",
-            {"atropos-serve": "atropos-serve", "sglang": "sglang"}.get(first.kind, "none"),
-        )
         config.setdefault("served_model_name", first.model_name)
         if first.model and "model_name" not in config:
             config["model_name"] = first.model
     if "model_name" in config:
-        path = spec.resolve_path(str(config["model_name"]))
-        if path.exists():
-            config["model_name"] = str(path)
+        path_ = spec.resolve_path(str(config["model_name"]))
+        if path_.exists():
+            config["model_name"] = str(path_)
     for key in ("save_path", "metrics_file"):
         if key in config and not str(config[key]).startswith("{"):
             config[key] = str(_under(spec, str(config[key])))

@@ -108,10 +108,30 @@ class InferenceSpec(_Strict):
     """One kind of inference server; ``count`` identical copies of it."""
 
     name: str = Field("policy", description="Name in the status view and log file names.")
-    kind: Literal["atropos-serve", "vllm", "sglang", "external"] = Field(
+    kind: Literal["atropos-serve", "vllm", "sglang", "trl-vllm-serve", "external"] = Field(
         "atropos-serve",
         description="atropos-serve: the embedded server (CPU or GPU). vllm / sglang: their "
-        "OpenAI servers, run with `python` below. external: a server you run yourself, at url.",
+        "OpenAI servers, run with `python` below (vllm in dev mode with the /policy_version "
+        "middleware and processed log-probs). trl-vllm-serve: TRL's `trl vllm-serve` (vLLM "
+        "underneath). external: a server you run yourself, at url. docs/backends.md has "
+        "what each gives.",
+    )
+    server: Literal["openai", "atropos-serve", "vllm", "sglang", "trl-vllm-serve"] | None = Field(
+        None,
+        description="kind external only: what answers at url. openai (the default): any "
+        "OpenAI-compatible endpoint (no token ids; takes no weights). atropos-serve, vllm, "
+        "sglang, trl-vllm-serve: that server, started by you as docs/backends.md says, which "
+        "the trainer syncs like one the launcher started.",
+    )
+    weight_sync: Literal["auto", "reload", "nccl", "none"] = Field(
+        "auto",
+        description="How the trainer's new weights reach this server. auto: the server's "
+        "default way (reload). reload: it loads each checkpoint folder the trainer writes (the "
+        "folder must be readable at the same path there: same machine, or a shared "
+        "filesystem). nccl: vllm / trl-vllm-serve only, the trainer broadcasts its tensors to "
+        "vLLM's workers (GPUs). none: never synced, it keeps its weights (rollouts go "
+        "off-policy). A run with a trainer refuses a server that cannot take weights (an "
+        "OpenAI endpoint) unless this says none.",
     )
     model: str | None = Field(
         None,
@@ -169,9 +189,25 @@ class InferenceSpec(_Strict):
         else:
             if self.url:
                 raise ValueError(f"url is only for kind external (this one is {self.kind})")
+            if self.server is not None:
+                raise ValueError(f"server is only for kind external (this one is {self.kind})")
             if not self.model:
                 raise ValueError(f"kind {self.kind} needs model")
+        if self.weight_sync in ("reload", "nccl"):
+            from atroposlib.backends import WeightSyncUnsupported, get_backend
+
+            try:
+                get_backend(self.backend).resolve_weight_path(self.weight_sync)
+            except WeightSyncUnsupported as exc:
+                raise ValueError(f"weight_sync {self.weight_sync}: {exc}") from None
         return self
+
+    @property
+    def backend(self) -> str:
+        """The inference backend (``atroposlib.backends``) this entry runs or points at."""
+        if self.kind == "external":
+            return self.server or "openai"
+        return self.kind
 
     @property
     def model_name(self) -> str:
@@ -259,14 +295,18 @@ class TrainerSpec(_Strict):
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="GRPO trainer settings (atropos-grpo --help), e.g. {model_name: ..., "
-        "training_steps: 20, lr: 1e-6}. atropos_url and inference_url are filled in; "
-        "inference defaults to the first inference server's kind.",
+        "training_steps: 20, lr: 1e-6}. atropos_url is filled in, and from the inference "
+        "servers it syncs (weight_sync) inference, inference_url, launch_vllm and weight_sync "
+        "(inference none when it syncs none).",
     )
     command: list[str] | None = Field(
         None,
         description="Run this command instead of the GRPO trainer. Placeholders {api_url}, "
-        "{inference_url}, {inference_urls} (comma-separated) and {output} are filled in; the "
-        "same values are in ATROPOS_API_URL, ATROPOS_INFERENCE_URLS and ATROPOS_RUN_OUTPUT.",
+        "{inference_url}, {inference_urls} (comma-separated), {synced_inference_urls} and "
+        "{output} are filled in; the same values are in ATROPOS_API_URL, "
+        "ATROPOS_INFERENCE_URLS, ATROPOS_WEIGHT_SYNC_URLS and ATROPOS_RUN_OUTPUT, with "
+        "ATROPOS_WEIGHT_SYNC_BACKEND and ATROPOS_WEIGHT_SYNC (reload, nccl) for "
+        "atroposlib.backends.weight_sync_client.",
     )
     gpus: float = Field(0.0, ge=0, description="GPUs reserved for it (ray, slurm).")
     cpus: float = Field(1.0, gt=0, description="CPUs reserved for it (ray, slurm).")

@@ -208,6 +208,46 @@ def test_config_picks_the_strategy(tmp_path: Path) -> None:
     assert type(make_weight_sync(base.model_copy(update={"inference": "none"}))) is NoSync
 
 
+def test_config_picks_a_client_of_a_running_server(tmp_path: Path) -> None:
+    """launch_vllm false, trl-vllm-serve, several URLs: clients of servers already running
+    (what atropos-launch gives the trainer), and the settings that cannot work are named."""
+    from atroposlib.backends import MultiServerSync
+    from atroposlib.backends.weight_transfer import VLLMWeightTransfer
+
+    base = TrainingConfig(model_name="m", save_path=str(tmp_path), served_model_name="policy")
+    attached = make_weight_sync(
+        base.model_copy(update={"launch_vllm": False, "inference_url": "http://gpu:8000"})
+    )
+    assert type(attached) is VLLMReload and not attached.launches_server
+    assert (attached.url, attached.served_model_name) == ("http://gpu:8000", "policy")
+    trl = make_weight_sync(
+        base.model_copy(update={"inference": "trl-vllm-serve", "weight_sync": "nccl"})
+    )
+    assert isinstance(trl, VLLMWeightTransfer) and not trl.launches_server
+    copies = make_weight_sync(
+        base.model_copy(
+            update={"inference": "atropos-serve", "inference_url": "http://a:1, http://b:2"}
+        )
+    )
+    assert isinstance(copies, MultiServerSync)
+    assert [c.url for c in copies.clients] == ["http://a:1", "http://b:2"]
+    for fields, message in (
+        ({"launch_vllm": False, "weight_sync": "restart"}, "weight_sync restart relaunches"),
+        ({"inference": "sglang", "weight_sync": "nccl"}, "weight_sync nccl is vLLM's"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TrainingConfig(model_name="m", **fields)
+
+
+def test_bad_weight_sync_flags_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from example_trainer.config import load_config
+
+    with pytest.raises(SystemExit) as exc:
+        load_config(["--model", "m", "--no-launch-vllm", "--weight-sync", "restart"])
+    assert exc.value.code == 2
+    assert "weight_sync restart relaunches vLLM" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ the middleware
 
 

@@ -227,8 +227,12 @@ class ServerBaseline(BaseModel):
         default=1000,
         description="How many recent requests the timing/attempt metrics are computed over.",
     )
-    server_type: Literal["openai", "trl", "sglang", "vllm"] = Field(
-        default="openai", description="Type of server to use"
+    server_type: Literal["openai", "trl", "sglang", "vllm", "atropos-serve"] = Field(
+        default="openai",
+        description="Type of server to use: openai (any OpenAI-compatible endpoint; no token "
+        "ids), vllm (vLLM, or any server with vLLM's /generate: exact token ids and "
+        "log-probs), atropos-serve (the same client, by its name), sglang, trl (trl "
+        "vllm-serve). docs/backends.md lists what each gives.",
     )
     tokenizer_name: str = Field(
         default="none",

@@ -46,6 +46,8 @@ SERVER_CLASSES: dict[str, type[APIServer]] = {
     "trl": TrlVllmServer,
     "sglang": SGLangServer,
     "vllm": VLLMServer,
+    # atropos-serve speaks vLLM's /generate: the same client, named for what it talks to
+    "atropos-serve": VLLMServer,
 }
 
 #: Ports of the locally generated servers (one per GPU of a 4+4 split).
@@ -84,7 +86,7 @@ class ServerManagerConfig(BaseModel):
 
 
 def server_class_for(server_type: str) -> type[APIServer]:
-    """The client class for ``server_type`` (openai, trl, sglang, vllm)."""
+    """The client class for ``server_type`` (openai, trl, sglang, vllm, atropos-serve)."""
     try:
         return SERVER_CLASSES[server_type]
     except KeyError:
@@ -422,7 +424,8 @@ class ServerManager:
             if allow not in ("1", "true", "yes"):
                 raise NotImplementedError(
                     "OpenAI endpoints do not support token IDs or logprobs required for "
-                    "ManagedServer. Use server_type='vllm' or 'sglang', or, if placeholder "
+                    "ManagedServer. Use server_type 'vllm', 'atropos-serve', 'sglang' or 'trl' "
+                    "(docs/backends.md), or, if placeholder "
                     "tokens are fine (evaluation only), set ATROPOS_ALLOW_DUMMY_MANAGED_SERVER=1."
                 )
             warnings.warn(
