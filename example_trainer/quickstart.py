@@ -166,7 +166,7 @@ def build_parser() -> ModelArgumentParser:
 def _recipe_defaults(given: dict[str, Any]) -> dict[str, Any]:
     """The values of the recipe ``--recipe`` names, under the flags given (none without it)."""
     recipe = RECIPES.get(str(given.get("recipe")))
-    return recipe.options() if recipe is not None else {}
+    return recipe.options(str(given.get("trainer") or "grpo")) if recipe is not None else {}
 
 
 def _check(options: BaseModel) -> None:

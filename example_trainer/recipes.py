@@ -20,12 +20,16 @@ class Recipe:
     flags: dict[str, Any]
     env_args: list[str] = field(default_factory=list)
     trainer_args: list[str] = field(default_factory=list)
+    trl_flags: dict[str, Any] = field(default_factory=dict)
+    """Flags that replace ``flags`` with ``--trainer trl`` (TRL computes every prompt token of
+    every sequence, so a step costs it several times what it costs the GRPO trainer)."""
 
-    def options(self) -> dict[str, Any]:
+    def options(self, trainer: str = "grpo") -> dict[str, Any]:
         """The recipe as ``atropos-quickstart`` option values (``QuickstartOptions`` fields),
         layered under the flags given; ``--env-arg``/``--trainer-arg`` add to its lists."""
         return {
             **self.flags,
+            **(self.trl_flags if trainer == "trl" else {}),
             "env_arg": list(self.env_args),
             "trainer_arg": list(self.trainer_args),
         }
@@ -58,6 +62,7 @@ RECIPES: dict[str, Recipe] = {
             "env.max_batches_offpolicy=1",
         ],
         trainer_args=["checkpoint_interval=20", "pause_generation=true"],
+        trl_flags={"steps": 20, "eval_every": 10, "output": "runs/arithmetic-learn-trl"},
     ),
     "gsm8k-format": Recipe(
         summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "

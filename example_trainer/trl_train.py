@@ -96,6 +96,7 @@ def train_trl(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from atroposlib.backends import weight_sync_client
     from atroposlib.inference.models import resolve_model_source
     from atroposlib.integrations.trl import AtroposGRPOTrainer, AtroposRollout
 
@@ -117,9 +118,7 @@ def train_trl(
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     args = grpo_config(config, num_generations=num_generations, temperature=temperature)
-    from example_trainer.weight_sync import AtroposServeReload
-
-    sync = AtroposServeReload(config.inference_url)
+    sync = weight_sync_client("atropos-serve", config.inference_url)
     sync.start(source, policy_version=0)
     rollout = AtroposRollout(
         config.atropos_url,
@@ -137,6 +136,8 @@ def train_trl(
         sync_dir=save_path / "served_weights",
         pause_generation=config.pause_generation,
         pause_mode=config.pause_mode,
+        # PPO against the sampler's log-probs, as the GRPO trainer: no extra forward pass
+        importance_sampling="sampler",
         processing_class=tokenizer,
     )
     from transformers.trainer_callback import PrinterCallback, ProgressCallback

@@ -21,9 +21,14 @@ What each part of a group becomes (the rules of :mod:`atroposlib.trainer.rows`):
 * advantages are the contract's (:func:`atroposlib.trainer.group_advantages`), not TRL's
   re-computation: explicit ``advantages`` from the env are used (per token too), and
   ``set_advantage_to_zero`` zeroes the advantage while the score stays in the group's baseline;
-* TRL's importance-sampling correction (``vllm_importance_sampling_correction``, on by default)
-  runs with the sampler's log-probabilities although no vLLM is in TRL's hands: the inference
-  server is the environments'. Tokens without a sampler log-prob get a ratio of 1;
+* the sampler's log-probabilities correct for batches the current weights did not sample
+  (``importance_sampling``): ``"trl"`` (default) runs TRL's own correction
+  (``vllm_importance_sampling_*`` settings: a truncated or masked ratio of the trained policy
+  before the step to the sampler) although no vLLM is in TRL's hands, at the cost of one more
+  forward pass per batch; tokens without a sampler log-prob get a ratio of 1. ``"sampler"``
+  makes the sampler's log-probabilities the "old" policy of the clipped ratio (PPO against the
+  sampler, as the example GRPO trainer does; no extra forward pass; a batch with a trained token
+  the sampler gave no log-prob for falls back to the on-policy ratio). ``"off"``: ratio 1;
 * after every optimizer step the new weights go to the inference server (``weight_sync``: an
   :mod:`atroposlib.backends` client, e.g. atropos-serve's reload) as policy version
   ``global_step``; the next ``GET /batch`` acknowledges the batch just trained (at-least-once:
@@ -48,6 +53,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from atroposlib.api.client import TrainerClient
+from atroposlib.testing.report import report_from_env
 from atroposlib.trainer.rows import MalformedGroupError, TrainingRow, rows_from_batch
 
 try:
@@ -288,6 +294,29 @@ class AtroposRollout:
 # ------------------------------------------------------------------------------- the trainer
 
 
+def score_trained_positions_only() -> None:
+    """Make TRL's fused LM head score only the completion positions on a CPU too.
+
+    TRL 1.16 runs the output head, in vocabulary tiles, only at the positions the loss reads
+    when Triton is there (a GPU); elsewhere it scores *every* position, prompt included, to keep
+    tile shapes fixed for compilers that recompile on each new shape. A CPU has no such
+    compiler, and for short completions after long prompts (6 reply tokens after a 100-token
+    prompt) scoring every position is most of a step's work. The log-probabilities are the same
+    either way; ``tests/integrations/test_trl.py`` checks them against the model's own.
+    """
+    import trl.trainer.utils as trl_utils
+
+    original = trl_utils._use_triton
+    if getattr(original, "atropos_patched", False):
+        return
+
+    def compact(device: torch.device) -> bool:
+        return original(device) or device.type == "cpu"
+
+    compact.atropos_patched = True  # type: ignore[attr-defined]
+    trl_utils._use_triton = compact
+
+
 class _ServerWeights:
     """Stands where TRL keeps its vLLM client, so that TRL's own hook ("a rollout after the step
     changed syncs the weights") pushes to the environments' inference server."""
@@ -307,6 +336,8 @@ class AtroposCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.push_weights()
+        if self.trainer.report is not None:
+            self.trainer.report.end_step()
 
 
 class AtroposGRPOTrainer(GRPOTrainer):
@@ -338,6 +369,7 @@ class AtroposGRPOTrainer(GRPOTrainer):
         sync_dir: str | Path | None = None,
         pause_generation: bool = False,
         pause_mode: str = "abort",
+        importance_sampling: str = "trl",
         reward_funcs: list[Callable[..., Any]] | None = None,
         train_dataset: Any = None,
         **kwargs: Any,
@@ -349,10 +381,18 @@ class AtroposGRPOTrainer(GRPOTrainer):
                 "GRPOConfig.use_vllm must be False: the environments' inference server "
                 "generates; give AtroposGRPOTrainer a weight_sync for it instead"
             )
+        if importance_sampling not in ("trl", "sampler", "off"):
+            raise ValueError(
+                f"importance_sampling={importance_sampling!r}: expected 'trl', 'sampler' or 'off'"
+            )
+        score_trained_positions_only()
+        self.importance_sampling = importance_sampling
         self.atropos = rollout or AtroposRollout(api_url)
         self.weight_sync = weight_sync
         self.sync_dir = Path(sync_dir or Path(args.output_dir) / "atropos-weights")
         self.pushed_version: int | None = None
+        #: what the loss trains on, for the conformance check (``ATROPOS_TRAINER_REPORT``)
+        self.report = report_from_env(standard_advantages=True, name="trl")
         self.pause_mode = pause_mode
         self.paused = False
         if pause_generation:
@@ -378,7 +418,7 @@ class AtroposGRPOTrainer(GRPOTrainer):
                 "AtroposGRPOTrainer without weight_sync: the inference server keeps the "
                 "starting weights and every batch comes from them"
             )
-        if args.vllm_importance_sampling_correction:
+        if importance_sampling == "trl" and args.vllm_importance_sampling_correction:
             # TRL applies its sampler-mismatch correction only "with vLLM"; here the sampler
             # is the environments' server, whose log-probs come with each group.
             self.use_vllm = True
@@ -448,8 +488,61 @@ class AtroposGRPOTrainer(GRPOTrainer):
                 [r.advantages[0] if r.advantages else 0.0 for r in rows], device=device
             )
         output["advantages"] = advantages
+        # travels with its row through TRL's shuffle, for the report
+        output["atropos_policy_version"] = torch.tensor(
+            [-1 if r.policy_version is None else r.policy_version for r in rows], device=device
+        )
+        if self.importance_sampling == "sampler":
+            self._sampler_as_old_policy(output)
         self._log_batch(rows)
         return output
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+        versions = inputs.pop("atropos_policy_version", None)
+        if self.report is not None and model.training:
+            self._report_rows(inputs, versions)
+        return super()._compute_loss(model, inputs)
+
+    def _report_rows(self, inputs: dict[str, Any], versions: Any) -> None:
+        """What this micro-batch's loss trains on, one sequence per row (``ATROPOS_TRAINER_REPORT``:
+        the conformance check, ``docs/check-trainer.md``)."""
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        advantages = inputs["advantages"]
+        for i in range(mask.shape[0]):
+            prompt = inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()
+            width = int(inputs["completion_mask"][i].sum())
+            completion = inputs["completion_ids"][i, :width].tolist()
+            row_adv = (
+                advantages[i, :width].tolist()
+                if advantages.dim() == 2
+                else [float(advantages[i])] * width
+            )
+            version = None if versions is None or int(versions[i]) < 0 else int(versions[i])
+            self.report.sequence(  # type: ignore[union-attr]
+                prompt + completion,
+                [0] * len(prompt) + mask[i, :width].tolist(),
+                [0.0] * len(prompt) + row_adv,
+                policy_version=version,
+            )
+
+    def _sampler_as_old_policy(self, output: dict[str, Any]) -> None:
+        """``importance_sampling="sampler"``: the clipped ratio's old policy is the sampler."""
+        sampler = output.get("sampling_per_token_logps")
+        if sampler is None:
+            return
+        mask = output["completion_mask"].bool()
+        if "tool_mask" in output:
+            mask = mask & output["tool_mask"].bool()
+        if bool(torch.isnan(sampler[mask]).any()):
+            if not getattr(self, "_warned_missing_sampler", False):
+                logger.warning(
+                    "a batch has trained tokens without sampler log-probs: on-policy ratio for it"
+                )
+                self._warned_missing_sampler = True
+            return
+        output["old_per_token_logps"] = torch.where(mask, sampler, torch.zeros_like(sampler))
 
     def _check_temperatures(self, rows: Sequence[TrainingRow]) -> None:
         for row in rows:

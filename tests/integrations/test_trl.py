@@ -76,6 +76,7 @@ def _config(tmp_path: Path, **extra: Any) -> Any:
         "gradient_accumulation_steps": 1,
         "learning_rate": 1e-3,
         "use_cpu": True,
+        "bf16": False,  # TRL's default autocasts to bfloat16, on a CPU too
         "report_to": [],
         "save_strategy": "no",
         "activation_checkpointing": False,
@@ -116,17 +117,23 @@ MULTI_TURN = {
 }
 
 
+def _recording(base: type, seen: list[dict[str, Any]]) -> type:
+    """``base`` keeping a copy of every tensor its loss is given, in ``seen``."""
+
+    class Recording(base):
+        def _compute_loss(self, model, inputs):
+            seen.append({k: v.detach().clone() for k, v in inputs.items() if hasattr(v, "detach")})
+            return super()._compute_loss(model, inputs)
+
+    return Recording
+
+
 def test_trl_trains_on_exactly_the_contract(tmp_path: Path, tiny_model_dir: Path, start_api):
     from atroposlib.integrations.trl import AtroposGRPOTrainer, AtroposRollout
 
     api = start_api()
     seen: list[dict[str, Any]] = []
-
-    class Recording(AtroposGRPOTrainer):
-        def _compute_loss(self, model, inputs):
-            seen.append({k: v.detach().clone() for k, v in inputs.items() if hasattr(v, "detach")})
-            return super()._compute_loss(model, inputs)
-
+    Recording = _recording(AtroposGRPOTrainer, seen)
     thread, errors = _poster(api.url, [SINGLE_TURN, MULTI_TURN])
     trainer = Recording(
         str(tiny_model_dir),
@@ -162,6 +169,60 @@ def test_trl_trains_on_exactly_the_contract(tmp_path: Path, tiny_model_dir: Path
     assert expected[(50, 51, 90, 91, 52)].loss_mask == [1, 1, 0, 0, 1]
     # the batch was taken from run-api as step 1
     assert httpx.get(api.url + "/status").json()["current_step"] == 1
+
+
+def test_sampler_log_probs_are_the_old_policy_and_match_the_model(
+    tmp_path: Path, tiny_model_dir: Path, start_api
+):
+    """``importance_sampling="sampler"``: the clipped ratio's old policy is what the sampler
+    reported; ``"trl"``: TRL's own pre-step log-probs, which (with the head scoring only the
+    completion positions, ``score_trained_positions_only``) are the model's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.integrations.trl import AtroposGRPOTrainer, AtroposRollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    expected = {tuple(r.completion_ids): r for r in rows_from_group(SINGLE_TURN)}
+    for mode in ("sampler", "trl"):
+        api = start_api()
+        seen: list[dict[str, Any]] = []
+        Recording = _recording(AtroposGRPOTrainer, seen)
+        other = {
+            **SINGLE_TURN,
+            "tokens": [t[:3] + [t[3] + 100] + t[4:] for t in SINGLE_TURN["tokens"]],
+        }
+        other["masks"] = [[-100, -100, -100, *t[3:]] for t in other["tokens"]]
+        thread, errors = _poster(api.url, [SINGLE_TURN, other])
+        trainer = Recording(
+            str(tiny_model_dir),
+            _config(tmp_path / mode),
+            rollout=AtroposRollout(api.url, max_token_len=64, batch_timeout=60),
+            importance_sampling=mode,
+        )
+        trainer.train()
+        thread.join(5)
+        assert not errors
+        (inputs,) = seen
+        old = inputs["old_per_token_logps"]
+        for i, (ids, mask) in enumerate(
+            zip(inputs["completion_ids"], inputs["completion_mask"], strict=True)
+        ):
+            n = int(mask.sum())
+            row = expected.get(tuple(ids[:n].tolist()))
+            if mode == "sampler" and row is not None:
+                assert old[i, :n].tolist() == pytest.approx(row.sampler_logprobs)
+            if mode == "trl":
+                full = torch.tensor([[1, 20, 21, *ids[:n].tolist()]])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(input_ids=full).logits[0, 2:-1], -1)
+                mine = logp.gather(-1, full[0, 3:, None]).squeeze(-1)
+                assert torch.allclose(old[i, :n], mine, atol=1e-4)
+        if mode == "trl":
+            assert "importance_sampling_ratio" in inputs
+        else:
+            assert "importance_sampling_ratio" not in inputs
+        api.stop()
 
 
 def test_group_of_the_wrong_size_is_refused(tmp_path: Path, tiny_model_dir: Path, start_api):
@@ -314,3 +375,23 @@ def _free_port() -> int:
     from tests.conftest import free_port
 
     return free_port()
+
+
+def test_trl_adapter_passes_the_trainer_conformance_check(tmp_path: Path, tiny_model_dir: Path):
+    """``atropos-check-trainer --group-size 4 -- python trl_conformance.py``: every rule of the
+    contract holds for TRL through the adapter (advantage values included: the adapter trains on
+    the contract's advantages)."""
+    from atroposlib.testing import check_trainer
+
+    result = check_trainer(
+        [sys.executable, str(Path(__file__).with_name("trl_conformance.py"))],
+        model=str(tiny_model_dir),
+        group_size=4,
+        workdir=str(tmp_path / "check"),
+        timeout=300,
+    )
+    print(result.render())
+    assert result.passed, result.render()
+    checked = {r.name for r in result.rules if r.status != "skip"}
+    assert {"advantage_value", "explicit_advantages", "set_advantage_to_zero"} <= checked
+    assert {"multi_turn_masks", "redelivery", "ack", "weights"} <= checked

@@ -35,6 +35,7 @@ args = GRPOConfig(
     gradient_accumulation_steps=1,
     learning_rate=1e-3,
     use_cpu=True,
+    bf16=False,
     report_to=[],
     save_strategy="no",
     activation_checkpointing=False,
