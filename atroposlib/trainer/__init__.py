@@ -9,6 +9,8 @@ One import gives what a trainer needs to consume environments through ``run-api`
   :mod:`atroposlib.trainer.rows`.
 * :func:`pad_rows`, :func:`pack_rows`, :func:`token_logprobs`: rows as tensors (needs torch,
   the ``trainer`` extra; imported on first use).
+* :func:`weight_sync_client`, :func:`sync_weights`: new weights onto the running inference
+  server the environments sample from (:mod:`atroposlib.backends`, re-exported here).
 
 A complete loop is in ``docs/trainers.md``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from atroposlib.api.client import TrainerClient, TrajectoryAPIError
+from atroposlib.backends import sync_weights, weight_sync_client
 from atroposlib.trainer.rows import (
     MalformedGroupError,
     TrainingRow,
@@ -50,8 +53,10 @@ __all__ = [
     "rows_from_batch",
     "rows_from_group",
     "sample_temperature",
+    "sync_weights",
     "token_logprobs",
     "validate_group",
+    "weight_sync_client",
 ]
 
 _TORCH_NAMES = {"PackedBatch", "PaddedBatch", "pack_rows", "pad_rows", "token_logprobs"}
