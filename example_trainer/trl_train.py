@@ -172,6 +172,7 @@ _RENAMED = {
     "atropos/staleness_max": "staleness_max",
     "atropos/trained_tokens": "trained_tokens",
     "sampling/importance_sampling_ratio/mean": "mean_ratio",
+    "atropos/mean_ratio": "mean_ratio",
 }
 
 

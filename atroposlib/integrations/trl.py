@@ -501,7 +501,32 @@ class AtroposGRPOTrainer(GRPOTrainer):
         versions = inputs.pop("atropos_policy_version", None)
         if self.report is not None and model.training:
             self._report_rows(inputs, versions)
-        return super()._compute_loss(model, inputs)
+        sampler = inputs.get("old_per_token_logps") if self.importance_sampling == "sampler" else None
+        if sampler is None or not model.training:
+            return super()._compute_loss(model, inputs)
+        # the mean ratio new/sampler over trained tokens, as the GRPO trainer logs it (about 1.0 on
+        # the first step when trainer and sampler agree): read from the log-probs TRL computes
+        seen: list[Any] = []
+        compute = self._get_per_token_logps_and_entropies
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            result = compute(*args, **kwargs)
+            seen.append(result[0].detach())
+            return result
+
+        self._get_per_token_logps_and_entropies = capture  # type: ignore[method-assign]
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        if seen:
+            mask = inputs["completion_mask"].bool()
+            if "tool_mask" in inputs:
+                mask = mask & inputs["tool_mask"].bool()
+            if bool(mask.any()):
+                ratio = torch.exp(seen[0] - sampler)[mask].mean()
+                self._metrics["train"]["atropos/mean_ratio"].append(float(ratio))
+        return loss
 
     def _report_rows(self, inputs: dict[str, Any], versions: Any) -> None:
         """What this micro-batch's loss trains on, one sequence per row (``ATROPOS_TRAINER_REPORT``:

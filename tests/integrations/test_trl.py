@@ -218,10 +218,13 @@ def test_sampler_log_probs_are_the_old_policy_and_match_the_model(
                     logp = torch.log_softmax(model(input_ids=full).logits[0, 2:-1], -1)
                 mine = logp.gather(-1, full[0, 3:, None]).squeeze(-1)
                 assert torch.allclose(old[i, :n], mine, atol=1e-4)
+        logged = [h for h in trainer.state.log_history if "loss" in h]
         if mode == "trl":
             assert "importance_sampling_ratio" in inputs
         else:
             assert "importance_sampling_ratio" not in inputs
+            # the quickstart's mean_ratio: exp(policy - sampler) over trained tokens
+            assert logged and logged[0]["atropos/mean_ratio"] > 0
         api.stop()
 
 
