@@ -33,6 +33,7 @@ import anyio.to_thread
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
+from atroposlib.api.models import INT32_MAX
 from atroposlib.api.queue import PreparedGroup, Refused
 from atroposlib.schema import GroupError, ScoredData, check_group, wire_dict
 
@@ -279,6 +280,26 @@ def _serialise(group: ScoredData, prefix: tuple[Any, ...]) -> bytes:
         raise _invalid(f"group cannot be stored as JSON: {exc}", prefix) from None
 
 
+def _declared_group_size(group: ScoredData, prefix: tuple[Any, ...]) -> int | None:
+    """``group_overrides.group_size``: the size of the group these sequences belong to (see
+    :mod:`atroposlib.api.partials`), or None when not set. Refused unless it is a whole number
+    of at least the group's own size."""
+    overrides = group.group_overrides
+    if not isinstance(overrides, dict) or overrides.get("group_size") is None:
+        return None
+    value = overrides["group_size"]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    size = len(group.tokens)
+    if isinstance(value, bool) or not isinstance(value, int) or not size <= value <= INT32_MAX:
+        raise _invalid(
+            "group_overrides.group_size is the size of the group these sequences belong to: "
+            f"a whole number from the group's own {size} sequences up, got {value!r}",
+            (*prefix, "group_overrides", "group_size"),
+        )
+    return value
+
+
 def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
     """Parse, validate and serialise scored groups: one ``ScoredData`` object, or a list of
     them when ``many`` (the decompressed body of ``/scored_data`` or ``/scored_data_list``).
@@ -320,6 +341,7 @@ def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
                 longest=max(len(t) for t in group.tokens),
                 payload=_serialise(group, prefix),
                 policy_version=group.policy_version,
+                group_size=_declared_group_size(group, prefix),
             )
         )
     return prepared

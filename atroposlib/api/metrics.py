@@ -48,8 +48,15 @@ def prometheus_text(m: dict[str, Any]) -> str:
     metric(
         "buffered_sequences",
         "gauge",
-        "Sequences in partial groups waiting to be merged.",
+        "Sequences in held parts of one prompt's group, waiting for the rest of it.",
         [("", m["buffered_sequences"])],
+    )
+    metric(
+        "partial_groups_total",
+        "counter",
+        "Held parts of one prompt's group queued, by outcome: merged (they completed their "
+        "group), released (a trainer was waiting for a batch), disconnected (their env left).",
+        [(f'{{outcome="{_label(k)}"}}', v) for k, v in sorted(m["partial_groups"].items())],
     )
     metric("limit_bytes", "gauge", "Queue byte limit.", [("", m["limit_bytes"])])
     metric("limit_sequences", "gauge", "Queue sequence limit.", [("", m["limit_sequences"])])
@@ -105,6 +112,12 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "gauge",
         "Queued sequences per env.",
         [(lbl, e["queued_sequences"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_buffered_sequences",
+        "gauge",
+        "Sequences held per env (parts of one prompt's group).",
+        [(lbl, e["buffered_sequences"]) for lbl, e in env_samples],
     )
     metric(
         "env_accepted_groups_total",

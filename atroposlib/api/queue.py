@@ -17,8 +17,10 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
   handed stays stored until acknowledged, and a request whose ``ack`` is behind a batch
   already handed out gets that batch again (same groups, same step) instead of a new one, also
   after a restart of a server with a durable store.
-* Partial groups an env sends (fewer sequences than its registered ``group_size``) are buffered
-  and merged into one group of ``group_size`` as soon as buffered parts add up to it.
+* A group shorter than its env's ``group_size`` is served as the group it is, unless it is a
+  part of one prompt's group (:mod:`atroposlib.api.partials`): such parts are held and merged
+  once they add up to their group, and released as they are whenever a trainer asks for a
+  batch the queue cannot fill, so no part waits while the trainer waits.
 * The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
   the HTTP layer answers 429 with ``Retry-After``.
 * Policy versions (``policy_version``, the trainer step whose weights generated a group) are
@@ -50,9 +52,14 @@ from typing import Any
 import orjson
 
 from atroposlib.api.models import RegisterEnv, Registration
-from atroposlib.api.packing import PackItem, exact_fill, merge_fill, pack_batch
+from atroposlib.api.packing import PackItem, exact_fill, pack_batch
+from atroposlib.api.partials import (
+    PartialGroups,
+    declared_group_size,
+    merge_payloads,
+    part_of,
+)
 from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
-from atroposlib.schema import GROUP_KEYS, PER_SEQUENCE_KEYS, merge_extensions
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +86,8 @@ class PreparedGroup:
     longest: int
     payload: bytes
     policy_version: int | None = None
+    #: ``group_overrides.group_size``: the size of the group these sequences belong to
+    group_size: int | None = None
 
 
 class Batch(list):
@@ -137,29 +146,6 @@ class UnknownEnv(LookupError):
     """An ``env_id`` that no ``/register-env`` handed out."""
 
 
-def _merge_payloads(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
-    """Merge partial groups of one env into one group. Returns the group and any fields that
-    had to be dropped because only some parts carried them."""
-    merged: dict[str, Any] = {}
-    lost: list[str] = []
-    for key in GROUP_KEYS:
-        values = [p.get(key) for p in parts]
-        if key in PER_SEQUENCE_KEYS:
-            if all(v is None for v in values):
-                merged[key] = None
-            elif all(isinstance(v, list) for v in values):
-                merged[key] = [x for v in values for x in v]
-            else:
-                merged[key] = None
-                lost.append(key)
-        elif key == "images" and all(isinstance(v, list) for v in values):
-            merged[key] = [x for v in values for x in v]
-        else:
-            merged[key] = next((v for v in values if v is not None), None)
-    merged.update(merge_extensions(parts))
-    return merged, lost
-
-
 class TrajectoryQueue:
     """Thread-safe queue of scored groups with upstream Atropos's registration semantics."""
 
@@ -185,6 +171,8 @@ class TrajectoryQueue:
         self.groups_served = 0
         self.sequences_served = 0
         self.redelivered_batches = 0
+        #: what became of held partial groups: merged, released, disconnected
+        self.partial_outcomes = Counter[str]()
         self._restore()
 
     # ------------------------------------------------------------------ state
@@ -195,15 +183,13 @@ class TrajectoryQueue:
         self.requesters: list[int] = []
         self.envs: list[dict[str, Any]] = []
         self._queue: dict[int, StoredGroup] = {}
-        self._buffers: dict[int, list[StoredGroup]] = {}
+        self._partials = PartialGroups()
         # batches handed out to an acknowledging trainer, not yet acknowledged: step -> groups
         self._inflight: dict[int, list[StoredGroup]] = {}
         self._latest: bytes | None = None
         self._next_gid = 1
         self._queued_seqs = 0
         self._queued_bytes = 0
-        self._buffered_seqs = 0
-        self._buffered_bytes = 0
         self._seqs_by_env = Counter[Any]()
         self._sizes_by_env: dict[Any, Counter[int]] = {}
         # (policy_version, gid) of queued groups that carry a version, oldest first, when a
@@ -233,9 +219,7 @@ class TrajectoryQueue:
         for group in state.queued:
             self._enqueue(group)
         for group in state.buffered:
-            self._buffers.setdefault(group.env_id, []).append(group)
-            self._buffered_seqs += group.size
-            self._buffered_bytes += len(group.payload)
+            self._restore_part(group)
         self._inflight = dict(sorted(state.inflight.items()))
         inflight = [g for groups in self._inflight.values() for g in groups]
         gids = [g.gid for g in state.queued + state.buffered + inflight]
@@ -248,11 +232,26 @@ class TrajectoryQueue:
             self.step,
             len(self._queue),
             self._queued_seqs,
-            sum(len(b) for b in self._buffers.values()),
+            len(self._partials),
             len(self._inflight),
             len(self.envs),
             "registered" if self.registration else "not registered",
         )
+
+    def _restore_part(self, group: StoredGroup) -> None:
+        """Hold a part read back from the store again, or queue it if it is no longer one."""
+        env = self.envs[group.env_id] if group.env_id is not None else None
+        part = None
+        if env is not None and env["connected"]:
+            declared = declared_group_size(orjson.loads(group.payload))
+            part = part_of(group, declared, env["group_size"])
+        if part is None:
+            self.store.promote([group.gid])
+            self._enqueue(group)
+            return
+        complete = self._partials.add(part)
+        if complete:
+            self._queue_parts(complete, "merged")
 
     def _enqueue(self, group: StoredGroup) -> None:
         self._queue[group.gid] = group
@@ -398,14 +397,15 @@ class TrajectoryQueue:
             record["connected"] = False
             record["last_update"] = time.time()
             self.store.put_env(env_id, record)
-            parts = self._buffers.pop(env_id, [])
-            if parts:
-                self.store.promote([p.gid for p in parts])
-                for part in parts:
-                    self._buffered_seqs -= part.size
-                    self._buffered_bytes -= len(part.payload)
-                    self._enqueue(part)
-                logger.info("Env %d disconnected; queued its %d partial groups", env_id, len(parts))
+            released = self._partials.release(env_id)
+            for parts in released:
+                self._queue_parts(parts, "disconnected")
+            if released:
+                logger.info(
+                    "Env %d disconnected; queued its held partial groups as %d group(s)",
+                    env_id,
+                    len(released),
+                )
             return {"status": "success"}
 
     # ------------------------------------------------------------ read-only
@@ -446,7 +446,10 @@ class TrajectoryQueue:
             max_group_size = max(max_group_size, 1)
             own_sizes = self._sizes_by_env.get(env_id)
             env_group_size = max(record["group_size"], max(own_sizes) if own_sizes else 0, 1)
-            own = self._seqs_by_env.get(env_id, 0)
+            # held partial groups count as queued: the env's throttle must see them
+            held = Counter(self._seqs_by_env)
+            held.update(self._partials.sequences_by_env)
+            own = held.get(env_id, 0)
 
             available = 0
             if max_group_size > 1:
@@ -456,7 +459,7 @@ class TrajectoryQueue:
                     for e in connected
                     if e.get("min_batch_allocation") is not None
                 }
-                for other, seqs in self._seqs_by_env.items():
+                for other, seqs in held.items():
                     if other == env_id or seqs <= 0:
                         continue
                     packed = math.ceil(seqs / max_group_size) * max_group_size
@@ -515,8 +518,8 @@ class TrajectoryQueue:
                 )
             new_seqs += group.size
             new_bytes += len(group.payload)
-        held_seqs = self._queued_seqs + self._buffered_seqs
-        held_bytes = self._queued_bytes + self._buffered_bytes
+        held_seqs = self._queued_seqs + self._partials.sequences
+        held_bytes = self._queued_bytes + self._partials.bytes
         if (
             held_seqs + new_seqs > self.limits.max_sequences
             or held_bytes + new_bytes > self.limits.max_bytes
@@ -546,8 +549,16 @@ class TrajectoryQueue:
                 self.accepted["sequences"] += group.size
                 self.accepted_by_env[str(group.env_id)] += 1
                 env = self.envs[group.env_id] if group.env_id is not None else None
-                if env is not None and env["connected"] and group.size < env["group_size"]:
-                    results.append(self._buffer(stored, env["group_size"]))
+                part = None
+                if env is not None and env["connected"]:
+                    part = part_of(stored, group.group_size, env["group_size"])
+                if part is not None:
+                    self.store.insert([stored], buffered=True)
+                    complete = self._partials.add(part)
+                    if complete:
+                        self._queue_parts(complete, "merged")
+                    buffer_size = self._partials.held_sequences(part.group.env_id)
+                    results.append({"status": "buffered", "buffer_size": buffer_size})
                 else:
                     self.store.insert([stored], buffered=False)
                     self._enqueue(stored)
@@ -555,43 +566,48 @@ class TrajectoryQueue:
                     results.append({"status": "received"})
             return results
 
-    def _buffer(self, part: StoredGroup, target: int) -> dict[str, Any]:
-        env_id = part.env_id
-        assert env_id is not None
-        self.store.insert([part], buffered=True)
-        buffer = self._buffers.setdefault(env_id, [])
-        buffer.append(part)
-        self._buffered_seqs += part.size
-        self._buffered_bytes += len(part.payload)
-        picked = merge_fill([p.size for p in buffer], target)
-        if picked:
-            parts = [buffer[i] for i in picked]
-            for i in reversed(picked):
-                buffer.pop(i)
-            if not buffer:
-                del self._buffers[env_id]
-            self._buffered_seqs -= sum(p.size for p in parts)
-            self._buffered_bytes -= sum(len(p.payload) for p in parts)
-            merged, lost = _merge_payloads([orjson.loads(p.payload) for p in parts])
+    def _queue_parts(self, parts: list[StoredGroup], outcome: str) -> None:
+        """Queue held parts of one prompt's group: one part as it is, several merged into one
+        group. ``outcome`` (``merged``: they completed their group; ``released``: a trainer
+        was waiting; ``disconnected``: their env left) is counted in ``/metrics``."""
+        self.partial_outcomes[outcome] += len(parts)
+        if len(parts) == 1:
+            (group,) = parts
+            self.store.promote([group.gid])
+        else:
+            merged, lost = merge_payloads([orjson.loads(p.payload) for p in parts])
             if lost:
                 self.dropped["merge_field_mismatch"] += 1
                 logger.warning(
-                    "Merged %d partial groups of env %d; dropped fields only some parts had: %s",
+                    "Merged %d parts of one prompt's group (env %s); dropped fields only some "
+                    "parts had: %s",
                     len(parts),
-                    env_id,
+                    parts[0].env_id,
                     ", ".join(lost),
                 )
             group = StoredGroup(
-                self._next_gid, env_id, target, orjson.dumps(merged), merged.get("policy_version")
+                self._next_gid,
+                parts[0].env_id,
+                sum(p.size for p in parts),
+                orjson.dumps(merged),
+                merged.get("policy_version"),
             )
             self._next_gid += 1
             self.store.merge([p.gid for p in parts], group)
-            self._enqueue(group)
-            self._latest = group.payload
-        return {
-            "status": "buffered",
-            "buffer_size": sum(p.size for p in self._buffers.get(env_id, [])),
-        }
+        self._enqueue(group)
+        self._latest = group.payload
+
+    def _release_partials(self) -> bool:
+        """Queue every held part (a trainer is waiting); whether there were any."""
+        released = self._partials.release()
+        for parts in released:
+            self._queue_parts(parts, "released")
+        if released:
+            logger.info(
+                "A trainer is waiting for a batch: queued %d held partial group(s) as they are",
+                len(released),
+            )
+        return bool(released)
 
     # ----------------------------------------------------------------- batch
     def _min_allocations(self) -> dict[int, float]:
@@ -637,6 +653,9 @@ class TrajectoryQueue:
                     return again
             self._drop_stale(self.step + 1)
             chosen = self._choose()
+            if not chosen and self._release_partials():
+                self._drop_stale(self.step + 1)
+                chosen = self._choose()
             if not chosen:
                 return {"batch": None}
             for group in chosen:
@@ -733,7 +752,7 @@ class TrajectoryQueue:
     def reset(self) -> None:
         """``/reset_data``: forget the run. Queued and buffered groups are counted as dropped."""
         with self._lock:
-            dropped = len(self._queue) + sum(len(b) for b in self._buffers.values())
+            dropped = len(self._queue) + len(self._partials)
             unacked = sum(len(b) for b in self._inflight.values())
             if dropped:
                 self.dropped["reset"] += dropped
@@ -759,9 +778,10 @@ class TrajectoryQueue:
                 "queue_groups": len(self._queue),
                 "queue_sequences": self._queued_seqs,
                 "queue_bytes": self._queued_bytes,
-                "buffered_groups": sum(len(b) for b in self._buffers.values()),
-                "buffered_sequences": self._buffered_seqs,
-                "buffered_bytes": self._buffered_bytes,
+                "buffered_groups": len(self._partials),
+                "buffered_sequences": self._partials.sequences,
+                "buffered_bytes": self._partials.bytes,
+                "partial_groups": dict(self.partial_outcomes),
                 "limit_sequences": self.limits.max_sequences,
                 "limit_bytes": self.limits.max_bytes,
                 "accepted_groups": self.accepted["groups"],
@@ -780,6 +800,7 @@ class TrajectoryQueue:
                         "name": e["real_name"],
                         "connected": e["connected"],
                         "queued_sequences": self._seqs_by_env.get(e["registered_id"], 0),
+                        "buffered_sequences": self._partials.held_sequences(e["registered_id"]),
                         "accepted_groups": self.accepted_by_env.get(str(e["registered_id"]), 0),
                         "served_groups": self.served_by_env.get(str(e["registered_id"]), 0),
                     }

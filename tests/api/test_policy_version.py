@@ -106,16 +106,22 @@ def test_version_is_carried_to_batch_and_absent_when_not_sent(api: httpx.Client)
 def test_merged_partial_groups_keep_the_oldest_version(api: httpx.Client) -> None:
     start_run(api, batch_size=8)
     env = add_env(api, group_size=4)
-    parts = [versioned(1, 5, env_id=env), versioned(2, 3, env_id=env)]
+
+    def part(tag: int, version: int | None, prompt: int) -> dict:
+        body = versioned(tag, version, env_id=env)
+        body["tokens"] = [[prompt, tag, tag, tag]] * 2  # parts of one prompt's group
+        return body
+
+    parts = [part(1, 5, prompt=100), part(2, 3, prompt=100)]
     assert [api.post("/scored_data", json=p).json()["status"] for p in parts] == [
         "buffered",
         "buffered",
     ]
     # a part without a version counts as current: the merged group keeps the other's
-    api.post("/scored_data", json=versioned(3, None, env_id=env))
-    api.post("/scored_data", json=versioned(4, 9, env_id=env))
-    api.post("/scored_data", json=versioned(5, None, env_id=env))
-    api.post("/scored_data", json=versioned(6, None, env_id=env))
+    api.post("/scored_data", json=part(3, None, prompt=101))
+    api.post("/scored_data", json=part(4, 9, prompt=101))
+    api.post("/scored_data", json=part(5, None, prompt=102))
+    api.post("/scored_data", json=part(6, None, prompt=102))
     _, batch = take(api)
     assert [len(g["tokens"]) for g in batch] == [4, 4]
     assert [g.get("policy_version", "absent") for g in batch] == [3, 9]
