@@ -1,17 +1,74 @@
-"""How ``/metrics`` renders :meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`: Prometheus
-text (the default) and JSON. Metric names, types and labels are part of the wire protocol: every
-name is ``atropos_`` + the name given here.
+"""The trajectory API's counters (:class:`QueueCounters`) and how ``/metrics`` renders
+:meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`: Prometheus text (the default) and JSON.
+Metric names, types and labels are part of the wire protocol: every name is ``atropos_`` + the
+name given here.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 #: The Content-Type of :func:`prometheus_text`.
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+
+@dataclass
+class QueueCounters:
+    """What the queue counts. Process-lifetime counters are monotonic (they survive
+    ``/reset_data``); the per-env ones belong to a run (:meth:`new_run` zeroes them, as env ids
+    are reused after a reset). Not thread-safe: the queue's lock guards it."""
+
+    accepted: Counter[str] = field(default_factory=Counter)
+    #: refused requests or groups, by reason (the metric label)
+    refused: Counter[str] = field(default_factory=Counter)
+    #: accepted groups dropped later, by reason
+    dropped: Counter[str] = field(default_factory=Counter)
+    #: what became of held parts of one prompt's group: merged, released, disconnected
+    partial_outcomes: Counter[str] = field(default_factory=Counter)
+    batches_served: int = 0
+    groups_served: int = 0
+    sequences_served: int = 0
+    redelivered_batches: int = 0
+    accepted_by_env: Counter[str] = field(default_factory=Counter)
+    served_by_env: Counter[str] = field(default_factory=Counter)
+
+    def new_run(self) -> None:
+        """Zero the per-env counters (``/reset_data``)."""
+        self.accepted_by_env = Counter()
+        self.served_by_env = Counter()
+
+    def count_accepted(self, env_id: int | None, sequences: int) -> None:
+        """One group accepted."""
+        self.accepted["groups"] += 1
+        self.accepted["sequences"] += sequences
+        self.accepted_by_env[str(env_id)] += 1
+
+    def count_batch(self, groups: list[tuple[int | None, int]]) -> None:
+        """A new batch handed out: its groups' ``(env_id, size)``."""
+        self.batches_served += 1
+        self.groups_served += len(groups)
+        self.sequences_served += sum(size for _, size in groups)
+        for env_id, _ in groups:
+            self.served_by_env[str(env_id)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters' part of :meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`."""
+        return {
+            "accepted_groups": self.accepted["groups"],
+            "accepted_sequences": self.accepted["sequences"],
+            "refused": dict(self.refused),
+            "dropped": dict(self.dropped),
+            "partial_groups": dict(self.partial_outcomes),
+            "batches_served": self.batches_served,
+            "groups_served": self.groups_served,
+            "sequences_served": self.sequences_served,
+            "redelivered_batches": self.redelivered_batches,
+        }
 
 
 def json_bytes(data: Any) -> bytes:

@@ -1,0 +1,79 @@
+"""The state every route shares, and the dependencies that hand it to them.
+
+:class:`ApiState` is built once per application by :func:`ApiState.open` (the store opened and
+locked, the queue restored from it) and closed by the application's lifespan. Routes never
+reach for globals: they declare ``state: State`` or ``queue: Queue`` and FastAPI passes them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from atroposlib.api.ingest import GroupParser
+from atroposlib.api.queue import QueueLimits, TrajectoryQueue
+from atroposlib.api.settings import ApiSettings
+from atroposlib.api.store import MemoryStore, SqliteStore
+from atroposlib.utils.http_guard import BodyBudget
+
+__all__ = ["ApiState", "Queue", "State", "get_queue", "get_state"]
+
+
+@dataclass
+class ApiState:
+    """One trajectory API's state: its settings, queue, body parser and ingest byte budget."""
+
+    settings: ApiSettings
+    queue: TrajectoryQueue
+    parser: GroupParser
+    #: bytes of request bodies held at once, over all requests (``--ingest-budget-bytes``)
+    budget: BodyBudget
+
+    @classmethod
+    def open(cls, settings: ApiSettings) -> ApiState:
+        """Open the store (``--store``; in memory without one) and restore the queue from it.
+        Raises what opening the store raises (a file that cannot be opened)."""
+        store = (
+            SqliteStore(settings.store, synchronous=settings.store_sync)
+            if settings.store
+            else MemoryStore()
+        )
+        queue = TrajectoryQueue(
+            store,
+            QueueLimits(
+                max_sequences=settings.max_queue_sequences,
+                max_bytes=settings.max_queue_bytes,
+                retry_after_s=settings.retry_after_s,
+                max_envs=settings.max_envs,
+            ),
+            max_staleness=settings.max_staleness,
+        )
+        return cls(
+            settings=settings,
+            queue=queue,
+            parser=GroupParser(settings.ingest_threads),
+            budget=BodyBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes)),
+        )
+
+    def close(self) -> None:
+        """Stop the parser process and close the store."""
+        self.parser.close()
+        self.queue.store.close()
+
+
+def get_state(request: Request) -> ApiState:
+    """The application's :class:`ApiState` (set by :func:`~atroposlib.api.server.create_app`)."""
+    return request.app.state.api
+
+
+def get_queue(request: Request) -> TrajectoryQueue:
+    """The application's queue."""
+    return request.app.state.api.queue
+
+
+#: A route parameter that receives the :class:`ApiState`.
+State = Annotated[ApiState, Depends(get_state)]
+#: A route parameter that receives the :class:`~atroposlib.api.queue.TrajectoryQueue`.
+Queue = Annotated[TrajectoryQueue, Depends(get_queue)]
