@@ -63,12 +63,16 @@ class ApiState:
         self.queue.store.close()
 
 
-def get_state(request: Request) -> ApiState:
+# async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a thread hop
+# per request for a dictionary lookup
+
+
+async def get_state(request: Request) -> ApiState:
     """The application's :class:`ApiState` (set by :func:`~atroposlib.api.server.create_app`)."""
     return request.app.state.api
 
 
-def get_queue(request: Request) -> TrajectoryQueue:
+async def get_queue(request: Request) -> TrajectoryQueue:
     """The application's queue."""
     return request.app.state.api.queue
 

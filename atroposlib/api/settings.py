@@ -128,7 +128,8 @@ class ApiSettings(BaseModel):
         None,
         repr=False,
         description="Shared secret that every request must carry (Authorization: Bearer KEY "
-        "or X-API-Key: KEY), else 401; GET /health and GET / stay open for liveness probes. "
+        "or X-API-Key: KEY), else 401; GET and HEAD of /health and / stay open for liveness "
+        "probes. "
         "Clients (envs, trainers, tools) send the ATROPOS_API_KEY environment variable. Set it "
         "whenever the API is reachable from other machines (--host other than loopback); "
         "prefer the variable to the flag, which other users of the machine can see in ps. "

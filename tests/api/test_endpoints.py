@@ -29,6 +29,14 @@ FULL_KEYS = {
 }
 
 
+def test_probes_answer_get_and_head(api: httpx.Client) -> None:
+    """``HEAD /health`` (what load balancers send) was a 405 although documented open."""
+    for path in ("/", "/health"):
+        head = api.head(path)
+        assert head.status_code == 200 and head.content == b"", path
+    assert api.get("/health").json()["status"] == "ok"
+
+
 def test_root_and_unregistered_state(api: httpx.Client) -> None:
     assert api.get("/").json() == {"message": "AtroposLib API"}
     assert api.get("/info").json() == {"batch_size": -1, "max_token_len": -1}

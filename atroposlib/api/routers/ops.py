@@ -18,13 +18,14 @@ from atroposlib.schema import EMPTY_EXAMPLE
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/")
+# GET and HEAD: the probes are documented open to both (load balancers often send HEAD)
+@router.api_route("/", methods=["GET", "HEAD"])
 async def root() -> dict[str, str]:
     """Upstream's liveness probe (open without ``--api-key``)."""
     return {"message": "AtroposLib API"}
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(queue: Queue) -> dict[str, Any]:
     """Liveness probe (not in upstream; open without ``--api-key``)."""
     return {"status": "ok", "registered": queue.registered, "step": queue.step}
