@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from atroposlib.api.ingest import GroupParser
 from atroposlib.api.queue import QueueLimits, TrajectoryQueue
 from atroposlib.api.settings import ApiSettings
-from atroposlib.api.store import MemoryStore, SqliteStore
+from atroposlib.api.store import MemoryStore, Recording, SqliteStore
 from atroposlib.utils.http_guard import BodyBudget
 
 __all__ = ["ApiState", "Queue", "State", "get_queue", "get_state"]
@@ -33,10 +33,11 @@ class ApiState:
 
     @classmethod
     def open(cls, settings: ApiSettings) -> ApiState:
-        """Open the store (``--store``; in memory without one) and restore the queue from it.
-        Raises what opening the store raises (a file that cannot be opened)."""
+        """Open the store (``--store``; in memory without one) and restore the queue from it,
+        or the recording of ``--replay``. Raises what opening them raises (a file that cannot
+        be opened, :class:`~atroposlib.api.store.StoreInUse`, a store that recorded nothing)."""
         store = (
-            SqliteStore(settings.store, synchronous=settings.store_sync)
+            SqliteStore(settings.store, synchronous=settings.store_sync, record=settings.record)
             if settings.store
             else MemoryStore()
         )
@@ -50,6 +51,8 @@ class ApiState:
             ),
             max_staleness=settings.max_staleness,
         )
+        if settings.replay:
+            queue.replay(Recording(settings.replay), repack=settings.replay_mode == "repack")
         return cls(
             settings=settings,
             queue=queue,
@@ -58,9 +61,9 @@ class ApiState:
         )
 
     def close(self) -> None:
-        """Stop the parser process and close the store."""
+        """Stop the parser process and close the store (and a replayed recording)."""
         self.parser.close()
-        self.queue.store.close()
+        self.queue.close()
 
 
 # async on purpose: FastAPI runs a plain ``def`` dependency in a worker thread, a thread hop

@@ -60,7 +60,7 @@ from atroposlib.api.models import RegisterEnv, Registration
 from atroposlib.api.packing import PackItem, exact_fill, pack_batch
 from atroposlib.api.partials import PartialGroups, declared_group_size, merge_payloads, part_of
 from atroposlib.api.registry import MIN_ENV_WEIGHT, EnvRegistry
-from atroposlib.api.store import MemoryStore, QueueStore, StoredGroup
+from atroposlib.api.store import MemoryStore, QueueStore, Recording, StoredGroup
 
 __all__ = [
     "MIN_ENV_WEIGHT",
@@ -188,6 +188,9 @@ class TrajectoryQueue:
         #: (:func:`staleness`); None: no limit (upstream's behaviour).
         self.max_staleness = max_staleness
         self._lock = threading.RLock()
+        #: a recorded run served again (:meth:`replay`), and whether re-packed
+        self._recording: Recording | None = None
+        self._repack = False
         #: counters and gauges of ``/metrics`` (not persisted: this process's lifetime)
         self.counters = QueueCounters()
         self._started_at = time.time()
@@ -207,6 +210,8 @@ class TrajectoryQueue:
         self._inflight: dict[int, list[StoredGroup]] = {}
         self._latest: bytes | None = None
         self._next_gid = 1
+        # replay: the recorded batches not handed out yet, oldest first
+        self._replay_steps: list[int] = []
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -261,6 +266,33 @@ class TrajectoryQueue:
         complete = self._partials.add(part)
         if complete:
             self._queue_parts(complete, "merged")
+
+    def replay(self, recording: Recording, repack: bool = False) -> None:
+        """Serve ``recording`` (a store's recorded batches) instead of groups from envs, which
+        are refused from now on (``replay``, 409). Original (default): each recorded batch is
+        handed out as it was, with its recorded step, the first one after the trainer's
+        ``starting_step``. ``repack``: the recorded groups, in their recorded order, are packed
+        into batches of the registered ``batch_size``, as if they had just arrived. Policy
+        versions are the recorded ones; nothing is stale."""
+        with self._lock:
+            self._recording = recording
+            self._repack = repack
+            self.max_staleness = None
+            self._replay_steps = list(recording.steps)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether this queue serves a recorded run (:meth:`replay`)."""
+        return self._recording is not None
+
+    def _refuse_in_replay(self, what: str) -> None:
+        if self._recording is not None:
+            self.refused["replay"] += 1
+            raise Refused(
+                "replay",
+                f"this run-api replays the batches recorded in {self._recording.path} "
+                f"(run-api --replay) and takes no {what}",
+            )
 
     @property
     def registered(self) -> bool:
@@ -342,6 +374,7 @@ class TrajectoryQueue:
     def register_env(self, req: RegisterEnv) -> dict[str, Any]:
         """``/register-env``: add an env once the trainer has fetched its first batch."""
         with self._lock:
+            self._refuse_in_replay("environments")
             if not self.started:
                 return {"status": "wait for trainer to start"}
             try:
@@ -446,6 +479,12 @@ class TrajectoryQueue:
     # ---------------------------------------------------------------- ingest
     def check(self, groups: list[PreparedGroup]) -> None:
         """Raise :class:`Refused` if any group cannot be taken (nothing is changed)."""
+        if self._recording is not None:
+            raise Refused(
+                "replay",
+                f"this run-api replays the batches recorded in {self._recording.path} "
+                "(run-api --replay) and takes no new groups",
+            )
         reg = self.registration
         new_seqs = 0
         new_bytes = 0
@@ -608,12 +647,12 @@ class TrajectoryQueue:
                 again = self._acknowledge(ack)
                 if again is not None:
                     return again
-            chosen = self._form_batch()
+            chosen, step = self._form_batch()
             if not chosen:
                 return {"batch": None}
-            self.step += 1
+            self.step = step
             if ack is None:
-                self.store.take([g.gid for g in chosen], self._meta())
+                self.store.take([g.gid for g in chosen], self._meta(), step)
             else:
                 chosen.sort(key=lambda g: g.gid)  # the order a restored store gives back
                 self._inflight[self.step] = chosen
@@ -628,17 +667,39 @@ class TrajectoryQueue:
             )
             return Batch([g.payload for g in chosen], self.step)
 
-    def _form_batch(self) -> list[StoredGroup]:
-        """The groups of the next batch, taken out of the queue, or [] when none can be formed
-        (stale groups dropped first; held parts queued when the queue alone cannot fill it)."""
+    def _form_batch(self) -> tuple[list[StoredGroup], int]:
+        """The groups of the next batch, taken out of the queue, and its step; [] when none can
+        be formed (stale groups dropped first; held parts queued when the queue alone cannot
+        fill it)."""
+        if self._recording is not None and not self._repack:
+            return self._recorded_batch()
         self._drop_stale(self.step + 1)
         chosen = self._choose()
         if not chosen and self._release_partials():
             self._drop_stale(self.step + 1)
             chosen = self._choose()
+        while not chosen and self._replay_steps:  # repack: read recorded groups as needed
+            assert self._recording is not None
+            for group in self._recording.batch(self._replay_steps.pop(0)):
+                # recorded gids are unique per server life only: number them afresh
+                group.gid, self._next_gid = self._next_gid, self._next_gid + 1
+                self._queued.add(group)
+            chosen = self._choose()
         for group in chosen:
             self._queued.remove(group)
-        return chosen
+        return chosen, self.step + 1
+
+    def _recorded_batch(self) -> tuple[list[StoredGroup], int]:
+        """Replay (original): the next recorded batch after the current step, with its step."""
+        assert self._recording is not None
+        while self._replay_steps and self._replay_steps[0] <= self.step:
+            self._replay_steps.pop(0)  # before the trainer's starting step
+        if not self._replay_steps:
+            return [], self.step
+        step = self._replay_steps.pop(0)
+        if not self._replay_steps:
+            logger.info("Replay: the last recorded batch (step %d) is handed out", step)
+        return self._recording.batch(step), step
 
     def _drop_stale(self, step: int) -> None:
         """Drop queued groups more than ``max_staleness`` steps stale (:func:`staleness`) for
@@ -720,6 +781,8 @@ class TrajectoryQueue:
             self._init_state()
             self.counters.new_run()
             self.store.clear(self._meta())
+            if self._recording is not None:  # a replay starts over
+                self._replay_steps = list(self._recording.steps)
 
     # --------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:
@@ -741,6 +804,7 @@ class TrajectoryQueue:
                 **counters.snapshot(),
                 "unacknowledged_batches": len(self._inflight),
                 "max_staleness": self.max_staleness,
+                "replay_batches_left": len(self._replay_steps) if self.replaying else None,
                 "envs": [
                     {
                         "env_id": e["registered_id"],
@@ -758,6 +822,12 @@ class TrajectoryQueue:
                 "uptime_s": time.time() - self._started_at,
                 "durable": bool(getattr(self.store, "durable", False)),
             }
+
+    def close(self) -> None:
+        """Close the store and, when replaying, the recording."""
+        self.store.close()
+        if self._recording is not None:
+            self._recording.close()
 
     def count_refused(self, reason: str, groups: int = 1) -> None:
         """Count a request the HTTP layer refused before it reached the queue."""

@@ -39,6 +39,7 @@ GZIP_MINIMUM = 1000
 REFUSAL_STATUS: dict[str, int] = {
     "bad_json": 400,  # the body is not JSON
     "too_many_envs": 409,  # run-api --max-envs
+    "replay": 409,  # run-api --replay takes no envs and no groups
     "body_too_large": 413,  # run-api --max-request-bytes (1 MiB for other endpoints)
     "group_too_large": 413,  # one group is past the queue's byte bound
     "queue_full": 429,  # with Retry-After

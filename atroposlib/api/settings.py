@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -42,6 +42,27 @@ class ApiSettings(BaseModel):
         None,
         description="Path of an SQLite file that makes the queue durable: registrations, envs, "
         "queued groups and the step survive a crash or restart. Unset: in memory only.",
+    )
+    record: bool = Field(
+        False,
+        description="Keep every batch handed out in --store (its step, its groups in order, "
+        "with their policy versions), so that run-api --replay can serve the run again. The "
+        "store then grows by every group trained on. Needs --store.",
+    )
+    replay: str | None = Field(
+        None,
+        description="Serve the batches recorded in this store (written with --store PATH "
+        "--record) to a trainer again instead of taking groups from envs: in their original "
+        "batches and steps, or re-packed (--replay-mode), with their original policy "
+        "versions. Envs are refused (409); the store is only read. Not with --store, "
+        "--record or --max-staleness.",
+    )
+    replay_mode: Literal["original", "repack"] = Field(
+        "original",
+        description="--replay: 'original' hands out each recorded batch as it was (same groups, "
+        "same order, same step; the trainer's batch_size is not used); 'repack' packs the "
+        "recorded groups, in their recorded order, into batches of the batch_size the trainer "
+        "registers, stepping from its starting_step.",
     )
     store_sync: Literal["NORMAL", "FULL"] = Field(
         "NORMAL",
@@ -159,11 +180,33 @@ class ApiSettings(BaseModel):
                 )
         return value
 
-    @field_validator("store_sync", "log_level", mode="before")
+    @model_validator(mode="after")
+    def _store_modes(self) -> ApiSettings:
+        if self.record and not self.store:
+            raise ValueError("record: needs a store to record into (--store PATH --record)")
+        if self.replay:
+            clash = [
+                name
+                for name, given in (
+                    ("store", self.store),
+                    ("record", self.record),
+                    ("max_staleness", self.max_staleness is not None),
+                )
+                if given
+            ]
+            if clash:
+                raise ValueError(
+                    f"replay serves a recorded store as it was: not with {', '.join(clash)}"
+                )
+        return self
+
+    @field_validator("store_sync", "log_level", "replay_mode", mode="before")
     @classmethod
     def _case(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
+        if value.lower() in ("original", "repack"):
+            return value.lower()
         return value.upper() if value.lower() in ("normal", "full") else value.lower()
 
     @classmethod
