@@ -82,10 +82,12 @@ class ApiSettings(BaseModel):
         "POSTs get 429 with Retry-After.",
     )
     max_request_bytes: int = Field(
-        256 << 20,
+        64 << 20,
         ge=1,
         description="Largest request body accepted, after gzip decompression (accepts 64M, ...). "
-        "Larger bodies get 413.",
+        "Larger bodies get 413. It bounds the server's memory: parsing a body takes up to 26x "
+        "its size (bodies of 4 MiB or more in one worker process, one at a time; about 6x for "
+        "token ids and log-probs, 26x for one-digit tokens), so at most about 1.7 GB at 64M.",
     )
     ingest_budget_bytes: int = Field(
         512 << 20,
