@@ -34,6 +34,8 @@ class QueueCounters:
     groups_served: int = 0
     sequences_served: int = 0
     redelivered_batches: int = 0
+    #: groups accepted with a policy_version ahead of the trainer's step
+    versions_ahead: int = 0
     accepted_by_env: Counter[str] = field(default_factory=Counter)
     served_by_env: Counter[str] = field(default_factory=Counter)
 
@@ -68,6 +70,7 @@ class QueueCounters:
             "groups_served": self.groups_served,
             "sequences_served": self.sequences_served,
             "redelivered_batches": self.redelivered_batches,
+            "policy_version_ahead": self.versions_ahead,
         }
 
 
@@ -160,6 +163,13 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "counter",
         "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
         [("", m["redelivered_batches"])],
+    )
+    metric(
+        "policy_version_ahead_groups_total",
+        "counter",
+        "Groups accepted with a policy_version ahead of the trainer's step (batches handed "
+        "out): a trainer counting several optimizer steps per batch, or an unsynced server.",
+        [("", m["policy_version_ahead"])],
     )
     env_samples = [
         (f'{{env_id="{_label(e["env_id"])}",name="{_label(e["name"])}"}}', e) for e in m["envs"]

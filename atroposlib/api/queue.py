@@ -20,6 +20,12 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
   handed stays stored until acknowledged, and a request whose ``ack`` is behind a batch
   already handed out gets that batch again (same groups, same step) instead of a new one, also
   after a restart of a server with a durable store.
+* Several trainers (the ranks of a multi-process trainer) form one consumer group: every batch
+  goes to exactly one of them. Acknowledgements and redelivery are per ``rank`` (default 0):
+  a rank gets only its own unacknowledged batches again. A rank is served to one registered
+  trainer at a time (``consumer``: the uuid ``/register`` returned), the one registered last
+  (a restarted trainer takes its rank's unacknowledged batches over); an earlier one that still
+  asks for that rank is refused (``superseded``), so no batch goes to two trainers.
 * A group shorter than its env's ``group_size`` is served as the group it is, unless it is a
   part of one prompt's group (:mod:`atroposlib.api.partials`): such parts are held and merged
   once they add up to their group, and released as they are whenever a trainer asks for a
@@ -71,10 +77,20 @@ __all__ = [
     "Refused",
     "TrajectoryQueue",
     "UnknownEnv",
+    "ahead_of_trainer",
     "staleness",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def ahead_of_trainer(step: int, policy_version: int) -> bool:
+    """Whether a group's ``policy_version`` is newer than any weights the trainer can have made:
+    it has been handed ``step`` batches, so its newest weights are version ``step`` when it
+    counts one step per batch. Such a group is taken, counted and logged (see
+    ``docs/compat.md``): a trainer that counts several optimizer steps per batch, or an
+    inference server this run's trainer does not sync, makes them."""
+    return policy_version > step
 
 
 def staleness(batch_step: int, policy_version: int) -> int:
@@ -206,8 +222,14 @@ class TrajectoryQueue:
         self.registry = EnvRegistry(self.limits.max_envs)
         self._queued = _Queued(track_versions=self.max_staleness is not None)
         self._partials = PartialGroups()
-        # batches handed out to an acknowledging trainer, not yet acknowledged: step -> groups
+        # batches handed out to an acknowledging trainer, not yet acknowledged: step -> groups,
+        # and the rank each went to
         self._inflight: dict[int, list[StoredGroup]] = {}
+        self._inflight_rank: dict[int, int] = {}
+        # rank -> the consumer (a /register uuid) it is served to
+        self._owners: dict[int, int] = {}
+        # whether a group ahead of the trainer was reported in this run's log
+        self._ahead_logged = False
         self._latest: bytes | None = None
         self._next_gid = 1
         # replay: the recorded batches not handed out yet, oldest first
@@ -219,6 +241,8 @@ class TrajectoryQueue:
             "step": self.step,
             "started": self.started,
             "requesters": [str(r) for r in self.requesters],
+            "inflight_ranks": {str(s): r for s, r in self._inflight_rank.items() if r},
+            "rank_owners": {str(r): str(c) for r, c in self._owners.items()},
         }
 
     def _restore(self) -> None:
@@ -233,6 +257,9 @@ class TrajectoryQueue:
         for group in state.queued:
             self._queued.add(group)
         self._inflight = dict(sorted(state.inflight.items()))
+        ranks = {int(s): int(r) for s, r in state.meta.get("inflight_ranks", {}).items()}
+        self._inflight_rank = {step: ranks.get(step, 0) for step in self._inflight}
+        self._owners = {int(r): int(c) for r, c in state.meta.get("rank_owners", {}).items()}
         inflight = [g for groups in self._inflight.values() for g in groups]
         gids = [g.gid for g in state.queued + state.buffered + inflight]
         self._next_gid = max(gids, default=0) + 1
@@ -552,6 +579,12 @@ class TrajectoryQueue:
                 )
                 self._next_gid += 1
                 self.counters.count_accepted(group.env_id, group.size)
+                if (
+                    self.registered
+                    and group.policy_version is not None
+                    and ahead_of_trainer(self.step, group.policy_version)
+                ):
+                    self._count_ahead(group.policy_version)
                 env = self.registry.connected_record(group.env_id)
                 part = None if env is None else part_of(stored, group.group_size, env["group_size"])
                 if part is None:
@@ -567,6 +600,20 @@ class TrajectoryQueue:
                 held = self._partials.held_sequences(part.group.env_id)
                 results.append({"status": "buffered", "buffer_size": held})
             return results
+
+    def _count_ahead(self, version: int) -> None:
+        self.counters.versions_ahead += 1
+        if not self._ahead_logged:  # once per run: it is counted in /metrics
+            self._ahead_logged = True
+            logger.warning(
+                "A group's policy_version (%d) is ahead of the trainer, which has been handed "
+                "%d batches: either the trainer counts several optimizer steps per batch (then "
+                "staleness in batches undercounts), or an inference server is not synced by "
+                "this run's trainer (a server from another run, or run-api restarted without "
+                "its store). Counted as policy_version_ahead in /metrics",
+                version,
+                self.step,
+            )
 
     def _queue_parts(self, parts: list[StoredGroup], outcome: str) -> None:
         """Queue held parts of one prompt's group: one part as it is, several merged into one
@@ -612,7 +659,9 @@ class TrajectoryQueue:
         return bool(released)
 
     # ----------------------------------------------------------------- batch
-    def take_batch(self, ack: int | None = None) -> Batch | dict[str, Any]:
+    def take_batch(
+        self, ack: int | None = None, rank: int = 0, consumer: int | None = None
+    ) -> Batch | dict[str, Any]:
         """Hand out the next batch: the serialised groups of its ``{"batch": [...]}`` body, in
         order, with its step.
 
@@ -620,11 +669,16 @@ class TrajectoryQueue:
         the queue cannot fill a batch yet (after queueing every held part). The step advances
         by one per new batch handed out.
 
-        ``ack`` (optional): the trainer has received every batch up to this step. Acknowledged
-        batches are forgotten; if a batch after ``ack`` was already handed out, the oldest such
-        is handed out again instead of a new one; a new batch is kept until acknowledged.
-        Without ``ack`` a batch is forgotten as soon as it is handed out (at-most-once).
-        Raises :class:`Refused` (``bad_ack``) when ``ack`` is ahead of the last batch handed out.
+        ``ack`` (optional): the trainer (``rank``) has received every batch up to this step.
+        Its acknowledged batches are forgotten; if a batch after ``ack`` was already handed out
+        to this rank, the oldest such is handed out again instead of a new one; a new batch is
+        kept until acknowledged. Without ``ack`` a batch is forgotten as soon as it is handed
+        out (at-most-once). ``consumer`` (optional): the uuid ``/register`` gave the asking
+        trainer; the rank is then served to the latest registered of its claimants.
+
+        Raises :class:`Refused`: ``bad_ack`` when ``ack`` is ahead of the last batch handed
+        out, ``unknown_consumer`` for a uuid no ``/register`` of this run gave, ``superseded``
+        when a trainer registered later took the rank over.
         """
         with self._lock:
             if not self.registered:
@@ -640,11 +694,13 @@ class TrajectoryQueue:
                     loc=("ack",),
                     kind="value_error",
                 )
+            if consumer is not None:
+                self._claim(rank, consumer)
             if not self.started:
                 self.started = True
                 self.store.put_meta(self._meta())
             if ack is not None:
-                again = self._acknowledge(ack)
+                again = self._acknowledge(ack, rank)
                 if again is not None:
                     return again
             chosen, step = self._form_batch()
@@ -656,6 +712,7 @@ class TrajectoryQueue:
             else:
                 chosen.sort(key=lambda g: g.gid)  # the order a restored store gives back
                 self._inflight[self.step] = chosen
+                self._inflight_rank[self.step] = rank
                 self.store.take_inflight([g.gid for g in chosen], self.step, self._meta())
             self.counters.count_batch([(g.env_id, g.size) for g in chosen])
             logger.info(
@@ -723,23 +780,64 @@ class TrajectoryQueue:
             limit,
         )
 
-    def _acknowledge(self, ack: int) -> Batch | None:
-        """Forget batches up to ``ack``; the oldest unacknowledged batch after it, if any."""
-        done = [step for step in self._inflight if step <= ack]
+    def _claim(self, rank: int, consumer: int) -> None:
+        """Serve ``rank`` to ``consumer`` unless a trainer registered later holds it."""
+        if consumer not in self.requesters:
+            self.refused["unknown_consumer"] += 1
+            raise Refused(
+                "unknown_consumer",
+                f"consumer {consumer} is not a trainer registered in this run: run-api was "
+                "restarted without its store (--store), or /reset_data was called; /register "
+                "again",
+                loc=("consumer",),
+                kind="unknown_consumer",
+            )
+        owner = self._owners.get(rank)
+        if owner == consumer:
+            return
+        if owner is not None and self.requesters.index(owner) > self.requesters.index(consumer):
+            self.refused["superseded"] += 1
+            raise Refused(
+                "superseded",
+                f"rank {rank} is served to a trainer that registered after this one: two "
+                f"trainers ask for the batches of rank {rank} (give each process its own rank: "
+                "GET /batch?rank=R, TrainerClient(rank=R)), or this one was replaced by a "
+                "restarted one",
+                loc=("consumer",),
+                kind="superseded",
+            )
+        if owner is not None:
+            logger.warning(
+                "Rank %d is now served to a trainer registered later (a restarted trainer?); "
+                "its unacknowledged batches go to it, and the earlier one is refused",
+                rank,
+            )
+        self._owners[rank] = consumer
+        self.store.put_meta(self._meta())
+
+    def _acknowledge(self, ack: int, rank: int) -> Batch | None:
+        """Forget ``rank``'s batches up to ``ack``; the oldest of its unacknowledged batches
+        after it, if any."""
+        mine = [step for step, r in self._inflight_rank.items() if r == rank]
+        done = [step for step in mine if step <= ack]
         if done:
             gids = [g.gid for step in done for g in self._inflight.pop(step)]
+            for step in done:
+                del self._inflight_rank[step]
             self.store.release(gids)
-        if not self._inflight:
+        again = [step for step in mine if step > ack]
+        if not again:
             return None
-        step, groups = next(iter(self._inflight.items()))
+        step = min(again)
         self.counters.redelivered_batches += 1
         logger.warning(
-            "Handing out the batch of step %d again: the trainer acknowledged only up to step %d "
-            "(its response was lost, or the trainer restarted)",
+            "Handing out the batch of step %d again (rank %d): the trainer acknowledged only up "
+            "to step %d (its response was lost, or the trainer restarted)",
             step,
+            rank,
             ack,
         )
-        return Batch([g.payload for g in groups], step, redelivered=True)
+        return Batch([g.payload for g in self._inflight[step]], step, redelivered=True)
 
     def _choose(self) -> list[StoredGroup]:
         """The queued groups of one exact batch (:mod:`atroposlib.api.packing`), or []."""

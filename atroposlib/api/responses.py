@@ -40,6 +40,8 @@ REFUSAL_STATUS: dict[str, int] = {
     "bad_json": 400,  # the body is not JSON
     "too_many_envs": 409,  # run-api --max-envs
     "replay": 409,  # run-api --replay takes no envs and no groups
+    "unknown_consumer": 409,  # /batch?consumer= not registered in this run (restarted? reset?)
+    "superseded": 409,  # /batch?rank= taken over by a trainer registered later
     "body_too_large": 413,  # run-api --max-request-bytes (1 MiB for other endpoints)
     "group_too_large": 413,  # one group is past the queue's byte bound
     "queue_full": 429,  # with Retry-After

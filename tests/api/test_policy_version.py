@@ -86,6 +86,23 @@ def test_largest_version_and_null_are_accepted(api: httpx.Client) -> None:
     assert [g.get("policy_version", "absent") for g in batch] == [(1 << 63) - 1, "absent"]
 
 
+def test_version_ahead_of_the_trainer_is_taken_and_counted(api: httpx.Client) -> None:
+    """A policy_version newer than any weights the trainer can have made (it has been handed
+    ``step`` batches) used to be accepted silently: now it is counted and logged (a trainer
+    that counts several optimizer steps per batch makes them; so does a server from another
+    run). Before /register nothing is ahead of anything."""
+    before = metrics(api)["policy_version_ahead"]
+    api.post("/scored_data", json=versioned(1, 50))  # before /register: no step yet
+    start_run(api, batch_size=2)  # its /batch hands that group out: step 1
+    assert metrics(api)["policy_version_ahead"] == before
+    assert api.post("/scored_data", json=versioned(2, 1)).json() == {"status": "received"}
+    assert api.post("/scored_data", json=versioned(3, 2)).json() == {"status": "received"}
+    assert metrics(api)["policy_version_ahead"] == before + 1
+    assert "atropos_policy_version_ahead_groups_total" in api.get("/metrics").text
+    served = [take(api) for _ in range(2)]
+    assert [(step, batch[0]["policy_version"]) for step, batch in served] == [(2, 1), (3, 2)]
+
+
 # ---------------------------------------------------------------- carried end to end
 
 

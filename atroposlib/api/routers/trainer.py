@@ -35,17 +35,25 @@ async def register(registration: Registration, queue: Queue) -> dict[str, int]:
 
 @router.get("/batch")
 async def batch(
-    request: Request, state: State, ack: Annotated[int | None, Query(ge=0, lt=2**62)] = None
+    request: Request,
+    state: State,
+    ack: Annotated[int | None, Query(ge=0, lt=2**62)] = None,
+    rank: Annotated[int, Query(ge=0, lt=2**31)] = 0,
+    consumer: Annotated[int | None, Query(ge=0, lt=2**128)] = None,
 ) -> Response:
     """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready.
 
-    ``?ack=N`` (optional, not in upstream): the trainer has received every batch up to step
-    N. Batches are then kept until acknowledged and one whose response was lost is handed
-    out again (at-least-once); without it a batch is gone once handed out (at-most-once,
-    upstream's behaviour). The batch's step is in the ``X-Atropos-Step`` header.
+    Not in upstream, all optional: ``?ack=N``: the trainer has received every batch up to
+    step N. Batches are then kept until acknowledged and one whose response was lost is
+    handed out again (at-least-once); without it a batch is gone once handed out
+    (at-most-once, upstream's behaviour). ``?rank=R`` (default 0): which process of a
+    multi-process trainer asks; each batch goes to one rank, and acknowledgements and
+    redelivery are per rank. ``?consumer=UUID``: the uuid ``/register`` returned, so that a
+    rank is served to one trainer only (the one registered last; 409 for an earlier one). The
+    batch's step is in the ``X-Atropos-Step`` header.
     """
     queue = state.queue
-    take = partial(queue.take_batch, ack)
+    take = partial(queue.take_batch, ack, rank, consumer)
     result = await run_in_threadpool(take) if queue.store.durable else take()
     if isinstance(result, dict):
         return json_response(result)
