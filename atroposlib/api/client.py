@@ -12,6 +12,14 @@ viewer (``view-run``).
   ``X-Atropos-Step`` header; a batch whose response was lost (run-api died or the connection
   broke mid-response) is handed out again by a run-api with a durable store, marked
   ``X-Atropos-Redelivered: 1``. An upstream run-api ignores ``ack`` (at-most-once, as before).
+* **Ranks**: each process of a multi-process trainer that pulls batches itself gives its own
+  ``rank``; every batch goes to one of them (``GET /batch?rank=R&consumer=UUID``, with the uuid
+  ``/register`` returned). Two clients that claim one rank: the one registered last gets it, the
+  other stops with an error that says so (no batch is trained twice).
+* **A run-api that lost the run**: when run-api answers that no trainer is registered, or does
+  not know this client's uuid (it restarted without ``--store``, or ``/reset_data`` was called),
+  the client registers again with what it registered before, starting from the step of the last
+  batch it received, and logs a warning (the groups run-api held are gone).
 * **API key**: every request carries the key of ``run-api --api-key``, by default from the
   ``ATROPOS_API_KEY`` environment variable (``Authorization: Bearer KEY``).
 """
@@ -19,6 +27,7 @@ viewer (``view-run``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -49,13 +58,26 @@ class TrainerClient:
         ack: Acknowledge batches (``GET /batch?ack=N``; at-least-once delivery).
         api_key: The key of ``run-api --api-key``, sent with every request. None (default):
             the ``ATROPOS_API_KEY`` environment variable; ``""``: no key.
+        rank: This process's rank when several processes of one trainer each pull batches
+            (each batch goes to one of them). None (default): the ``RANK`` environment
+            variable that torchrun, accelerate and DeepSpeed set, else 0.
     """
 
     def __init__(
-        self, url: str, *, timeout: float = 30.0, ack: bool = True, api_key: str | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        ack: bool = True,
+        api_key: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.ack = ack
+        self.rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
+        #: the uuid of this client's ``/register``, sent as ``consumer`` with each ``/batch``
+        self.uuid: int | None = None
+        self._registration: dict[str, Any] | None = None
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout, headers=api_key_headers(resolve_api_key(api_key))
         )
@@ -75,14 +97,21 @@ class TrainerClient:
     # ------------------------------------------------------------------------- transport
 
     def _response(
-        self, method: str, path: str, deadline: float | None, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        deadline: float | None,
+        passed: tuple[int, ...] = (),
+        **kwargs: Any,
     ) -> httpx.Response:
         """One call, retried on connection errors and 5xx until ``deadline`` (None: forever;
-        a deadline already past: one attempt)."""
+        a deadline already past: one attempt). 4xx answers raise, except those in ``passed``."""
         delay = 0.2
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
+                if response.status_code in passed:
+                    return response
                 if response.status_code < 500:
                     if response.status_code == 401:
                         raise TrajectoryAPIError(
@@ -157,7 +186,26 @@ class TrainerClient:
         if self.last_step is None:
             # batches up to the step we start from are done; any later one is handed out again
             self.last_step = starting_step
-        return int(reply["uuid"])
+        self._registration = body
+        self.uuid = int(reply["uuid"])
+        return self.uuid
+
+    def _register_again(self, why: str, timeout: float | None) -> None:
+        """run-api lost this run (``why``): register again as before, from the last step."""
+        assert self._registration is not None
+        body = dict(self._registration)
+        if self.last_step is not None:
+            body["starting_step"] = self.last_step
+        logger.warning(
+            "run-api %s: it restarted without its store (run-api --store keeps it) or "
+            "/reset_data was called; registering again at step %d. Groups it held are gone.",
+            why,
+            body["starting_step"],
+        )
+        reply = self._json("POST", "/register", self._deadline(timeout), json=body)
+        if "uuid" not in reply:
+            raise TrajectoryAPIError(f"/register answered without a uuid: {reply}")
+        self.uuid = int(reply["uuid"])
 
     def try_batch(self, *, timeout: float | None = 10.0) -> list[dict[str, Any]] | None:
         """One ``GET /batch`` (acknowledging the last batch received): the groups of the next
@@ -165,13 +213,25 @@ class TrainerClient:
 
         Raises ``TrajectoryAPIError`` if the API reports an error (e.g. not registered).
         """
-        params = {} if (self.last_step is None or not self.ack) else {"ack": self.last_step}
-        # a response cut short is a transport error, retried by _response: with the same ack,
-        # run-api hands the same batch out again
-        response = self._response("GET", "/batch", self._deadline(timeout), params=params)
+        deadline = self._deadline(timeout)
+        for attempt in range(2):
+            params: dict[str, int] = {}
+            if self.ack and self.last_step is not None:
+                params["ack"] = self.last_step
+                if self.rank:
+                    params["rank"] = self.rank
+                if self.uuid is not None:
+                    params["consumer"] = self.uuid
+            # a response cut short is a transport error, retried by _response: with the same
+            # ack, run-api hands the same batch out again
+            response = self._response("GET", "/batch", deadline, passed=(409,), params=params)
+            lost = self._lost_run(response)
+            if lost is None:
+                break
+            if self._registration is None or attempt:
+                raise TrajectoryAPIError(f"/batch: {lost}")
+            self._register_again(lost, timeout)
         reply = response.json()
-        if reply.get("status") == "error":
-            raise TrajectoryAPIError(f"/batch: {reply.get('message', reply)}")
         if not reply.get("batch"):
             return None
         step = response.headers.get(STEP_HEADER)
@@ -184,6 +244,21 @@ class TrainerClient:
                 step,
             )
         return reply["batch"]
+
+    def _lost_run(self, response: httpx.Response) -> str | None:
+        """Why run-api cannot serve this client as registered (it lost the registration, or
+        this client's uuid), or None. Other 409s (a rank taken over) raise."""
+        if response.status_code == 409:
+            detail = response.json().get("detail") or [{}]
+            if detail[0].get("type") == "unknown_consumer":
+                return "does not know this trainer's registration"
+            raise TrajectoryAPIError(
+                f"GET {self.url}/batch: HTTP 409 {detail[0].get('msg', response.text[:500])}"
+            )
+        reply = response.json()
+        if reply.get("status") == "error":
+            return f"answered: {reply.get('message', reply)}"
+        return None
 
     def get_batch(self, *, timeout: float | None = None, poll: float = 1.0) -> list[dict]:
         """``GET /batch`` until a batch comes (polling every ``poll`` s); returns its groups.

@@ -1,12 +1,8 @@
-"""Request bodies of the trajectory API: decompress, validate, serialise. No HTTP here (no
-requests, responses or status codes): :mod:`atroposlib.api.server` reads the chunks off the
-connection, calls these, and maps what they raise to responses.
+"""Request bodies of the trajectory API: validate and serialise scored groups. No HTTP here (no
+requests, responses or status codes): the middleware (:mod:`atroposlib.api.middleware`) reads,
+caps and decompresses a body with :func:`atroposlib.utils.http_guard.read_body` (shared with
+atropos-serve), the env router calls these, and what they raise becomes a response there.
 
-* :func:`read_body` is the one place a body is decompressed and capped: it inflates gzip as the
-  chunks arrive and stops the moment the decompressed size passes the cap (a gzip bomb costs
-  at most the cap, not its inflated size), and it charges every byte it holds to an
-  :class:`IngestBudget` shared by all requests in flight, so concurrent big bodies cannot add up
-  to more than the budget (past it: :class:`IngestBusy`).
 * :func:`prepare_groups` parses, validates and serialises scored groups; what it refuses it
   raises as :class:`~atroposlib.api.queue.Refused` with reason ``bad_json`` (not JSON) or
   ``invalid`` (JSON that is not valid scored data), naming the field.
@@ -22,10 +18,8 @@ import json
 import logging
 import math
 import multiprocessing
-from collections.abc import AsyncIterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -33,13 +27,10 @@ import anyio.to_thread
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from atroposlib.api.queue import PreparedGroup, Refused
+from atroposlib.api.errors import Refused
+from atroposlib.api.models import INT32_MAX
+from atroposlib.api.queue import PreparedGroup
 from atroposlib.schema import GroupError, ScoredData, check_group, wire_dict
-
-try:  # Intel ISA-L: 2x faster gunzip than zlib, same format
-    from isal import isal_zlib as _zlib
-except ImportError:  # pragma: no cover - platforms without isal wheels
-    import zlib as _zlib  # type: ignore[no-redef]
 
 logger = logging.getLogger("atroposlib.api")
 
@@ -47,148 +38,12 @@ logger = logging.getLogger("atroposlib.api")
 THREAD_BYTES = 64 * 1024
 #: Bodies at least this large are parsed in the worker process (about 80 ms of GIL in-process).
 PROCESS_BYTES = 4 << 20
-#: Most decompressed bytes produced per step before the event loop gets a turn.
-_INFLATE_STEP = 1 << 20
 
 _SCORED_ONE = TypeAdapter(ScoredData)
 _SCORED_LIST = TypeAdapter(list[ScoredData])
 #: Fields of a group that may hold arbitrary JSON (checked for NaN, huge ints, surrogates).
 _FREE_FORM = ("messages", "generation_params", "overrides", "group_overrides", "images")
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what orjson (and the trainer's JSON) can hold
-
-
-class BodyTooLarge(Exception):
-    """The body (after decompression) passed the cap."""
-
-
-class InvalidGzip(Exception):
-    """A body sent with ``Content-Encoding: gzip`` that is not gzip."""
-
-
-class IngestBusy(Exception):
-    """The bodies already being read and parsed hold the whole ingest budget."""
-
-
-class IngestBudget:
-    """Bytes of request bodies held right now (being read, or waiting to be parsed), bounded.
-
-    Used from the event loop only, so it needs no lock. A request that would pass the budget
-    is refused at once rather than made to wait: requests that wait while holding part of the
-    budget could wait on each other forever.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_use = 0
-
-    def reserve(self, n: int) -> None:
-        """Take ``n`` bytes of the budget, or raise :class:`IngestBusy`."""
-        if self.in_use + n > self.limit:
-            raise IngestBusy
-        self.in_use += n
-
-    def release(self, n: int) -> None:
-        """Give back ``n`` bytes."""
-        self.in_use -= n
-
-
-@dataclass
-class Body:
-    """A request body read by :func:`read_body`; :meth:`release` returns its budget share."""
-
-    data: bytes
-    budget: IngestBudget | None = None
-    reserved: int = 0
-
-    def release(self) -> None:
-        """Give the body's bytes back to the budget (idempotent)."""
-        if self.budget is not None and self.reserved:
-            self.budget.release(self.reserved)
-            self.reserved = 0
-
-
-class _Inflater:
-    """Streaming gunzip of one or more concatenated members, refusing to grow past a cap.
-
-    :meth:`step` produces at most ``_INFLATE_STEP`` bytes per call, so a 1000:1 chunk is
-    inflated in slices with the event loop getting a turn between them.
-    """
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.size = 0
-        self.pending = b""
-        self._d = _zlib.decompressobj(16 + 15)
-        self._fresh = True  # the current member has not started yet
-
-    def step(self) -> bytes:
-        """Decompress the next slice of :attr:`pending`."""
-        piece = self._d.decompress(self.pending, min(self.cap - self.size, _INFLATE_STEP) + 1)
-        self._fresh = False
-        self.size += len(piece)
-        if self.size > self.cap:
-            raise BodyTooLarge
-        if self._d.eof:  # concatenated gzip members
-            self.pending = self._d.unused_data
-            self._d = _zlib.decompressobj(16 + 15)
-            self._fresh = True
-        else:
-            self.pending = self._d.unconsumed_tail
-        return piece
-
-    def finish(self) -> None:
-        """Raise :class:`EOFError` if the stream stopped in the middle of a member."""
-        if not self._fresh and not self._d.eof:
-            raise EOFError("truncated gzip stream")
-
-
-async def read_body(
-    stream: AsyncIterable[bytes], cap: int, gzipped: bool, budget: IngestBudget | None
-) -> Body:
-    """Read the whole body from ``stream`` (its chunks as they arrive), inflating gzip on the fly.
-
-    Raises :class:`BodyTooLarge` as soon as the wire size or the decompressed size passes
-    ``cap``, :class:`InvalidGzip`, and :class:`IngestBusy` when ``budget`` has no room left for
-    the bytes held; what ``stream`` raises passes through. Nothing stays charged to ``budget``
-    when it raises.
-    """
-    body = Body(b"", budget)
-    chunks: list[bytes] = []
-    inflater = _Inflater(cap) if gzipped else None
-    wire = 0
-    try:
-        async for chunk in stream:
-            wire += len(chunk)
-            if wire > cap:
-                raise BodyTooLarge
-            if inflater is None:
-                _keep(chunk, chunks, body)
-                continue
-            inflater.pending = chunk
-            while inflater.pending:
-                try:
-                    _keep(inflater.step(), chunks, body)
-                except (OSError, _zlib.error) as exc:
-                    raise InvalidGzip from exc
-                if inflater.pending:
-                    await anyio.sleep(0)  # a 1000:1 chunk: let the event loop breathe
-        if inflater is not None:
-            try:
-                inflater.finish()
-            except EOFError as exc:
-                raise InvalidGzip from exc
-    except BaseException:
-        body.release()
-        raise
-    body.data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return body
-
-
-def _keep(piece: bytes, chunks: list[bytes], body: Body) -> None:
-    if body.budget is not None:
-        body.budget.reserve(len(piece))
-        body.reserved += len(piece)
-    chunks.append(piece)
 
 
 # ------------------------------------------------------------------------ scored groups
@@ -279,6 +134,26 @@ def _serialise(group: ScoredData, prefix: tuple[Any, ...]) -> bytes:
         raise _invalid(f"group cannot be stored as JSON: {exc}", prefix) from None
 
 
+def _declared_group_size(group: ScoredData, prefix: tuple[Any, ...]) -> int | None:
+    """``group_overrides.group_size``: the size of the group these sequences belong to (see
+    :mod:`atroposlib.api.partials`), or None when not set. Refused unless it is a whole number
+    of at least the group's own size."""
+    overrides = group.group_overrides
+    if not isinstance(overrides, dict) or overrides.get("group_size") is None:
+        return None
+    value = overrides["group_size"]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    size = len(group.tokens)
+    if isinstance(value, bool) or not isinstance(value, int) or not size <= value <= INT32_MAX:
+        raise _invalid(
+            "group_overrides.group_size is the size of the group these sequences belong to: "
+            f"a whole number from the group's own {size} sequences up, got {value!r}",
+            (*prefix, "group_overrides", "group_size"),
+        )
+    return value
+
+
 def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
     """Parse, validate and serialise scored groups: one ``ScoredData`` object, or a list of
     them when ``many`` (the decompressed body of ``/scored_data`` or ``/scored_data_list``).
@@ -320,6 +195,7 @@ def prepare_groups(raw: bytes, many: bool) -> list[PreparedGroup]:
                 longest=max(len(t) for t in group.tokens),
                 payload=_serialise(group, prefix),
                 policy_version=group.policy_version,
+                group_size=_declared_group_size(group, prefix),
             )
         )
     return prepared

@@ -1,17 +1,77 @@
-"""How ``/metrics`` renders :meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`: Prometheus
-text (the default) and JSON. Metric names, types and labels are part of the wire protocol: every
-name is ``atropos_`` + the name given here.
+"""The trajectory API's counters (:class:`QueueCounters`) and how ``/metrics`` renders
+:meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`: Prometheus text (the default) and JSON.
+Metric names, types and labels are part of the wire protocol: every name is ``atropos_`` + the
+name given here.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 #: The Content-Type of :func:`prometheus_text`.
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+
+@dataclass
+class QueueCounters:
+    """What the queue counts. Process-lifetime counters are monotonic (they survive
+    ``/reset_data``); the per-env ones belong to a run (:meth:`new_run` zeroes them, as env ids
+    are reused after a reset). Not thread-safe: the queue's lock guards it."""
+
+    accepted: Counter[str] = field(default_factory=Counter)
+    #: refused requests or groups, by reason (the metric label)
+    refused: Counter[str] = field(default_factory=Counter)
+    #: accepted groups dropped later, by reason
+    dropped: Counter[str] = field(default_factory=Counter)
+    #: what became of held parts of one prompt's group: merged, released, disconnected
+    partial_outcomes: Counter[str] = field(default_factory=Counter)
+    batches_served: int = 0
+    groups_served: int = 0
+    sequences_served: int = 0
+    redelivered_batches: int = 0
+    #: groups accepted with a policy_version ahead of the trainer's step
+    versions_ahead: int = 0
+    accepted_by_env: Counter[str] = field(default_factory=Counter)
+    served_by_env: Counter[str] = field(default_factory=Counter)
+
+    def new_run(self) -> None:
+        """Zero the per-env counters (``/reset_data``)."""
+        self.accepted_by_env = Counter()
+        self.served_by_env = Counter()
+
+    def count_accepted(self, env_id: int | None, sequences: int) -> None:
+        """One group accepted."""
+        self.accepted["groups"] += 1
+        self.accepted["sequences"] += sequences
+        self.accepted_by_env[str(env_id)] += 1
+
+    def count_batch(self, groups: list[tuple[int | None, int]]) -> None:
+        """A new batch handed out: its groups' ``(env_id, size)``."""
+        self.batches_served += 1
+        self.groups_served += len(groups)
+        self.sequences_served += sum(size for _, size in groups)
+        for env_id, _ in groups:
+            self.served_by_env[str(env_id)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters' part of :meth:`~atroposlib.api.queue.TrajectoryQueue.metrics`."""
+        return {
+            "accepted_groups": self.accepted["groups"],
+            "accepted_sequences": self.accepted["sequences"],
+            "refused": dict(self.refused),
+            "dropped": dict(self.dropped),
+            "partial_groups": dict(self.partial_outcomes),
+            "batches_served": self.batches_served,
+            "groups_served": self.groups_served,
+            "sequences_served": self.sequences_served,
+            "redelivered_batches": self.redelivered_batches,
+            "policy_version_ahead": self.versions_ahead,
+        }
 
 
 def json_bytes(data: Any) -> bytes:
@@ -48,8 +108,15 @@ def prometheus_text(m: dict[str, Any]) -> str:
     metric(
         "buffered_sequences",
         "gauge",
-        "Sequences in partial groups waiting to be merged.",
+        "Sequences in held parts of one prompt's group, waiting for the rest of it.",
         [("", m["buffered_sequences"])],
+    )
+    metric(
+        "partial_groups_total",
+        "counter",
+        "Held parts of one prompt's group queued, by outcome: merged (they completed their "
+        "group), released (a trainer was waiting for a batch), disconnected (their env left).",
+        [(f'{{outcome="{_label(k)}"}}', v) for k, v in sorted(m["partial_groups"].items())],
     )
     metric("limit_bytes", "gauge", "Queue byte limit.", [("", m["limit_bytes"])])
     metric("limit_sequences", "gauge", "Queue sequence limit.", [("", m["limit_sequences"])])
@@ -97,6 +164,13 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "Unacknowledged batches handed out again (a lost response, a restarted trainer).",
         [("", m["redelivered_batches"])],
     )
+    metric(
+        "policy_version_ahead_groups_total",
+        "counter",
+        "Groups accepted with a policy_version ahead of the trainer's step (batches handed "
+        "out): a trainer counting several optimizer steps per batch, or an unsynced server.",
+        [("", m["policy_version_ahead"])],
+    )
     env_samples = [
         (f'{{env_id="{_label(e["env_id"])}",name="{_label(e["name"])}"}}', e) for e in m["envs"]
     ]
@@ -105,6 +179,12 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "gauge",
         "Queued sequences per env.",
         [(lbl, e["queued_sequences"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_buffered_sequences",
+        "gauge",
+        "Sequences held per env (parts of one prompt's group).",
+        [(lbl, e["buffered_sequences"]) for lbl, e in env_samples],
     )
     metric(
         "env_accepted_groups_total",

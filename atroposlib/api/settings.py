@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -43,6 +43,27 @@ class ApiSettings(BaseModel):
         description="Path of an SQLite file that makes the queue durable: registrations, envs, "
         "queued groups and the step survive a crash or restart. Unset: in memory only.",
     )
+    record: bool = Field(
+        False,
+        description="Keep every batch handed out in --store (its step, its groups in order, "
+        "with their policy versions), so that run-api --replay can serve the run again. The "
+        "store then grows by every group trained on. Needs --store.",
+    )
+    replay: str | None = Field(
+        None,
+        description="Serve the batches recorded in this store (written with --store PATH "
+        "--record) to a trainer again instead of taking groups from envs: in their original "
+        "batches and steps, or re-packed (--replay-mode), with their original policy "
+        "versions. Envs are refused (409); the store is only read. Not with --store, "
+        "--record or --max-staleness.",
+    )
+    replay_mode: Literal["original", "repack"] = Field(
+        "original",
+        description="--replay: 'original' hands out each recorded batch as it was (same groups, "
+        "same order, same step; the trainer's batch_size is not used); 'repack' packs the "
+        "recorded groups, in their recorded order, into batches of the batch_size the trainer "
+        "registers, stepping from its starting_step.",
+    )
     store_sync: Literal["NORMAL", "FULL"] = Field(
         "NORMAL",
         description="SQLite synchronous mode for --store: NORMAL survives process crashes "
@@ -61,10 +82,12 @@ class ApiSettings(BaseModel):
         "POSTs get 429 with Retry-After.",
     )
     max_request_bytes: int = Field(
-        256 << 20,
+        64 << 20,
         ge=1,
         description="Largest request body accepted, after gzip decompression (accepts 64M, ...). "
-        "Larger bodies get 413.",
+        "Larger bodies get 413. It bounds the server's memory: parsing a body takes up to 26x "
+        "its size (bodies of 4 MiB or more in one worker process, one at a time; about 6x for "
+        "token ids and log-probs, 26x for one-digit tokens), so at most about 1.7 GB at 64M.",
     )
     ingest_budget_bytes: int = Field(
         512 << 20,
@@ -128,7 +151,8 @@ class ApiSettings(BaseModel):
         None,
         repr=False,
         description="Shared secret that every request must carry (Authorization: Bearer KEY "
-        "or X-API-Key: KEY), else 401; GET /health and GET / stay open for liveness probes. "
+        "or X-API-Key: KEY), else 401; GET and HEAD of /health and / stay open for liveness "
+        "probes. "
         "Clients (envs, trainers, tools) send the ATROPOS_API_KEY environment variable. Set it "
         "whenever the API is reachable from other machines (--host other than loopback); "
         "prefer the variable to the flag, which other users of the machine can see in ps. "
@@ -158,11 +182,33 @@ class ApiSettings(BaseModel):
                 )
         return value
 
-    @field_validator("store_sync", "log_level", mode="before")
+    @model_validator(mode="after")
+    def _store_modes(self) -> ApiSettings:
+        if self.record and not self.store:
+            raise ValueError("record: needs a store to record into (--store PATH --record)")
+        if self.replay:
+            clash = [
+                name
+                for name, given in (
+                    ("store", self.store),
+                    ("record", self.record),
+                    ("max_staleness", self.max_staleness is not None),
+                )
+                if given
+            ]
+            if clash:
+                raise ValueError(
+                    f"replay serves a recorded store as it was: not with {', '.join(clash)}"
+                )
+        return self
+
+    @field_validator("store_sync", "log_level", "replay_mode", mode="before")
     @classmethod
     def _case(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
+        if value.lower() in ("original", "repack"):
+            return value.lower()
         return value.upper() if value.lower() in ("normal", "full") else value.lower()
 
     @classmethod

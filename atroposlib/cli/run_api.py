@@ -84,11 +84,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     log = logging.getLogger("atroposlib.api")
+    where = settings.store or "memory"
+    if settings.replay:
+        where = f"replaying {settings.replay} ({settings.replay_mode})"
+    elif settings.record:
+        where += ", recording batches"
     log.info(
         "Trajectory API on http://%s:%d (store: %s; limits: %d sequences, %d bytes; %s)",
         settings.host,
         settings.port,
-        settings.store or "memory",
+        where,
         settings.max_queue_sequences,
         settings.max_queue_bytes,
         "API key required" if settings.api_key else "no API key",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import logging
 import threading
@@ -65,6 +64,14 @@ from atroposlib.inference.protocol import (
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
 from atroposlib.schema import PolicyVersion
+from atroposlib.utils.http_guard import (
+    ApiKeyCheck,
+    BodyTooLarge,
+    ClientGone,
+    body_chunks,
+    declared_too_large,
+    read_body,
+)
 from atroposlib.utils.http_security import HttpSecurityMiddleware, replay_body
 
 logger = logging.getLogger(__name__)
@@ -509,8 +516,9 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 class _Guard:
-    """Checks every HTTP request before the routes see it: the API key (all paths but
-    ``/health``), then the body: no ``Content-Encoding`` (415; clients of OpenAI-compatible
+    """Checks every HTTP request before the routes see it: the API key (the rule every
+    atroposlib service shares, :class:`~atroposlib.utils.http_guard.ApiKeyCheck`: open are
+    ``GET``/``HEAD /health`` and CORS preflights), then the body: no ``Content-Encoding`` (415; clients of OpenAI-compatible
     servers send plain JSON) and at most ``state.max_request_bytes`` (413), counted while it
     is read, so a larger body is never held whatever ``Content-Length`` says.
 
@@ -522,19 +530,18 @@ class _Guard:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
+        # the key rule every atroposlib service shares (atroposlib.utils.http_guard)
+        self.key_check = ApiKeyCheck(state.api_key, ("/health",)) if state.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        key = self.state.api_key
-        if key and scope["path"] != "/health":
-            supplied = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(supplied, f"Bearer {key}".encode()):
-                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
+        if self.key_check is not None and self.key_check.refusal(scope) is not None:
+            error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             encoding = headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
@@ -562,24 +569,15 @@ class _Guard:
             "--max-request-bytes)",
             code="request_too_large",
         )
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        try:
+            if declared_too_large(scope, limit):
+                raise BodyTooLarge
+            return (await read_body(body_chunks(receive), limit)).data
+        except BodyTooLarge:
             await too_large.response()(scope, receive, send)
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await too_large.response()(scope, receive, send)
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        except ClientGone:
+            pass
+        return None
 
 
 # ---------------------------------------------------------------------- helpers

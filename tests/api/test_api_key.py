@@ -23,12 +23,23 @@ KEY = "k3y-7f1c9e-Only-For-This-Test"
 OPEN = {("GET", "/"), ("GET", "/health")}
 
 
+def _flat(routes: list) -> Iterator:
+    """Every route, the routes of included routers too (recent FastAPI keeps an included
+    router as one entry of ``app.routes``)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _flat(inner.routes)
+        else:
+            yield route
+
+
 def _routes() -> list[tuple[str, str]]:
     """Every (method, path) the application serves, read from the app itself so a route added
     later is checked too (HEAD is Starlette's copy of GET)."""
     app = create_app(ApiSettings())
     found = set()
-    for route in app.routes:
+    for route in _flat(app.routes):
         path = re.sub(r"\{[^}]+\}", "1", route.path)
         for method in getattr(route, "methods", None) or ():
             if method != "HEAD":

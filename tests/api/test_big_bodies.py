@@ -46,6 +46,19 @@ def test_gzip_bomb_is_refused_without_inflating_it(start_api) -> None:
         assert client.get("/status").json()["queue_size"] == 1
 
 
+def test_default_cap_is_64_mib(api: httpx.Client) -> None:
+    """The default cap was 256 MiB, under which a 246 KiB gzip body made the parser peak at
+    6.4 GB (it takes up to 26x the body); 64 MiB bounds that at about 1.7 GB."""
+    headers = {"Content-Encoding": "gzip"}
+    padded = b" " * ((64 << 20) - 200) + orjson.dumps(group(1))
+    assert len(padded) <= 64 << 20
+    reply = api.post("/scored_data", content=gzip.compress(padded, 1), headers=headers)
+    assert reply.json() == {"status": "received"}
+    over = b" " * (64 << 20) + orjson.dumps(group(1))
+    reply = api.post("/scored_data", content=gzip.compress(over, 1), headers=headers)
+    assert reply.status_code == 413 and "limit of 67108864 bytes" in reply.text
+
+
 def test_other_endpoints_take_small_bodies_only(api: httpx.Client) -> None:
     body = json.dumps(registration(pad="x" * (2 << 20))).encode()
     reply = api.post("/register", content=body, headers={"Content-Type": "application/json"})

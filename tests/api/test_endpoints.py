@@ -29,6 +29,14 @@ FULL_KEYS = {
 }
 
 
+def test_probes_answer_get_and_head(api: httpx.Client) -> None:
+    """``HEAD /health`` (what load balancers send) was a 405 although documented open."""
+    for path in ("/", "/health"):
+        head = api.head(path)
+        assert head.status_code == 200 and head.content == b"", path
+    assert api.get("/health").json()["status"] == "ok"
+
+
 def test_root_and_unregistered_state(api: httpx.Client) -> None:
     assert api.get("/").json() == {"message": "AtroposLib API"}
     assert api.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
@@ -134,20 +142,23 @@ def test_non_power_of_two_groups_pack_exactly(api: httpx.Client) -> None:
     assert api.get("/status").json() == {"current_step": 2, "queue_size": 1}
 
 
-def test_partial_groups_are_merged_into_one_group(api: httpx.Client) -> None:
+def test_partial_groups_of_one_prompt_are_merged_into_one_group(api: httpx.Client) -> None:
+    """Parts of one prompt's group (same tokens before the first trained position) are merged;
+    tests/api/test_partial_groups.py has the rest of the rule."""
     start_run(api, batch_size=4)
     env = add_env(api, group_size=4)
-    replies = [
-        api.post("/scored_data", json=group(size=s, env_id=env, tag=t)).json()
-        for t, s in enumerate([1, 2, 1])
-    ]
+    replies = []
+    for t, s in enumerate([1, 2, 1]):
+        part = group(size=s, env_id=env, tag=t)
+        part["tokens"] = [[7, t, t, t] for _ in range(s)]  # prompt [7], answers t
+        replies.append(api.post("/scored_data", json=part).json())
     assert replies == [
         {"status": "buffered", "buffer_size": 1},
         {"status": "buffered", "buffer_size": 3},
         {"status": "buffered", "buffer_size": 0},
     ]
     (merged,) = api.get("/batch").json()["batch"]
-    assert [seq[0] for seq in merged["tokens"]] == [0, 1, 1, 2]
+    assert [seq[1] for seq in merged["tokens"]] == [0, 1, 1, 2]
     assert len(merged["masks"]) == len(merged["scores"]) == 4
 
 
@@ -290,6 +301,7 @@ def test_metrics(api: httpx.Client) -> None:
             "name": "env_0",
             "connected": True,
             "queued_sequences": 0,
+            "buffered_sequences": 0,
             "accepted_groups": 1,
             "served_groups": 1,
         }

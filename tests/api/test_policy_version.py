@@ -86,6 +86,23 @@ def test_largest_version_and_null_are_accepted(api: httpx.Client) -> None:
     assert [g.get("policy_version", "absent") for g in batch] == [(1 << 63) - 1, "absent"]
 
 
+def test_version_ahead_of_the_trainer_is_taken_and_counted(api: httpx.Client) -> None:
+    """A policy_version newer than any weights the trainer can have made (it has been handed
+    ``step`` batches) used to be accepted silently: now it is counted and logged (a trainer
+    that counts several optimizer steps per batch makes them; so does a server from another
+    run). Before /register nothing is ahead of anything."""
+    before = metrics(api)["policy_version_ahead"]
+    api.post("/scored_data", json=versioned(1, 50))  # before /register: no step yet
+    start_run(api, batch_size=2)  # its /batch hands that group out: step 1
+    assert metrics(api)["policy_version_ahead"] == before
+    assert api.post("/scored_data", json=versioned(2, 1)).json() == {"status": "received"}
+    assert api.post("/scored_data", json=versioned(3, 2)).json() == {"status": "received"}
+    assert metrics(api)["policy_version_ahead"] == before + 1
+    assert "atropos_policy_version_ahead_groups_total" in api.get("/metrics").text
+    served = [take(api) for _ in range(2)]
+    assert [(step, batch[0]["policy_version"]) for step, batch in served] == [(2, 1), (3, 2)]
+
+
 # ---------------------------------------------------------------- carried end to end
 
 
@@ -106,16 +123,22 @@ def test_version_is_carried_to_batch_and_absent_when_not_sent(api: httpx.Client)
 def test_merged_partial_groups_keep_the_oldest_version(api: httpx.Client) -> None:
     start_run(api, batch_size=8)
     env = add_env(api, group_size=4)
-    parts = [versioned(1, 5, env_id=env), versioned(2, 3, env_id=env)]
+
+    def part(tag: int, version: int | None, prompt: int) -> dict:
+        body = versioned(tag, version, env_id=env)
+        body["tokens"] = [[prompt, tag, tag, tag]] * 2  # parts of one prompt's group
+        return body
+
+    parts = [part(1, 5, prompt=100), part(2, 3, prompt=100)]
     assert [api.post("/scored_data", json=p).json()["status"] for p in parts] == [
         "buffered",
         "buffered",
     ]
     # a part without a version counts as current: the merged group keeps the other's
-    api.post("/scored_data", json=versioned(3, None, env_id=env))
-    api.post("/scored_data", json=versioned(4, 9, env_id=env))
-    api.post("/scored_data", json=versioned(5, None, env_id=env))
-    api.post("/scored_data", json=versioned(6, None, env_id=env))
+    api.post("/scored_data", json=part(3, None, prompt=101))
+    api.post("/scored_data", json=part(4, 9, prompt=101))
+    api.post("/scored_data", json=part(5, None, prompt=102))
+    api.post("/scored_data", json=part(6, None, prompt=102))
     _, batch = take(api)
     assert [len(g["tokens"]) for g in batch] == [4, 4]
     assert [g.get("policy_version", "absent") for g in batch] == [3, 9]

@@ -13,8 +13,19 @@ from atroposlib.api.store import MemoryStore, SqliteStore
 from tests.api.helpers import env_registration, group, registration
 
 
-def prepared(size: int = 2, tag: int = 0, env_id: int | None = None, length: int = 4):
-    data = ScoredData.model_validate(group(size, length=length, env_id=env_id, tag=tag))
+def prepared(
+    size: int = 2,
+    tag: int = 0,
+    env_id: int | None = None,
+    length: int = 4,
+    prompt: int | None = None,
+):
+    """A group tagged ``tag``; ``prompt``: the token its sequences start with (the prompt
+    shared by parts of one prompt's group), else ``tag``."""
+    body = group(size, length=length, env_id=env_id, tag=tag)
+    if prompt is not None:
+        body["tokens"] = [[prompt] + seq[1:] for seq in body["tokens"]]
+    data = ScoredData.model_validate(body)
     return PreparedGroup(env_id, size, length, data.model_dump_json().encode())
 
 
@@ -83,7 +94,7 @@ def test_state_survives_reopen(make_queue) -> None:
     running(queue, batch_size=4)
     env = queue.register_env(RegisterEnv(**env_registration(group_size=4)))["env_id"]
     queue.add_groups([prepared(4, tag=1, env_id=env), prepared(4, tag=2, env_id=env)])
-    queue.add_groups([prepared(2, tag=3, env_id=env)])  # buffered partial group
+    queue.add_groups([prepared(2, tag=3, env_id=env, prompt=9)])  # part of prompt 9's group
     assert batch_tags(queue.take_batch()) == [1]
     queue.store.close()
 
@@ -95,12 +106,12 @@ def test_state_survives_reopen(make_queue) -> None:
     assert again.info()["batch_size"] == 4 and again.started
     assert again.envs[env]["real_name"] == "env_0"
     # the buffered half completes after the restart
-    assert again.add_groups([prepared(2, tag=4, env_id=env)]) == [
+    assert again.add_groups([prepared(2, tag=4, env_id=env, prompt=9)]) == [
         {"status": "buffered", "buffer_size": 0}
     ]
     assert batch_tags(again.take_batch()) == [2]
     merged = orjson.loads(again.take_batch()[0])
-    assert [t[0] for t in merged["tokens"]] == [3, 3, 4, 4]
+    assert [t[1] for t in merged["tokens"]] == [3, 3, 4, 4]
 
 
 def test_reset_clears_store(make_queue) -> None:
