@@ -501,7 +501,9 @@ class AtroposGRPOTrainer(GRPOTrainer):
         versions = inputs.pop("atropos_policy_version", None)
         if self.report is not None and model.training:
             self._report_rows(inputs, versions)
-        sampler = inputs.get("old_per_token_logps") if self.importance_sampling == "sampler" else None
+        sampler = (
+            inputs.get("old_per_token_logps") if self.importance_sampling == "sampler" else None
+        )
         if sampler is None or not model.training:
             return super()._compute_loss(model, inputs)
         # the mean ratio new/sampler over trained tokens, as the GRPO trainer logs it (about 1.0 on

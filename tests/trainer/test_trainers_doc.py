@@ -106,7 +106,7 @@ def test_the_documented_loop_trains(tmp_path: Path, tiny_model_dir: Path) -> Non
                 "API_URL": api.url,
                 "SERVER_URL": server.url,
                 "STEPS": str(STEPS),
-                "LR": "1e-2",
+                "LR": "3e-3",
                 "OUT": str(tmp_path / "out"),
             },
         )
