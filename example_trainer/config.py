@@ -239,6 +239,29 @@ class TrainingConfig(BaseModel):
         default=600.0, gt=0, description="Seconds to wait for vLLM's /health after a launch."
     )
 
+    # --- evaluations pinned to the synced weights ---------------------------------------------
+    eval_every: int = Field(
+        default=0,
+        ge=0,
+        description="Steps between evaluations pinned to the weights just synced: after the "
+        "sync of step N the trainer asks run-api (POST /eval-request) and every env that takes "
+        "such requests runs its evaluate() with the weights of version N, checked against its "
+        "inference server's /policy_version, and reports; results are logged as eval/<env>/"
+        "<metric> with their step and version. 0: never (envs may still evaluate on their own "
+        "every steps_per_eval).",
+    )
+    eval_barrier: bool = Field(
+        default=True,
+        description="Wait for every env's pinned evaluation before training on (the server "
+        "keeps the evaluated weights meanwhile). Off: training goes on and the results are "
+        "logged when they arrive; an env whose server moved on to newer weights first refuses.",
+    )
+    eval_timeout: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Seconds the barrier waits for every env's pinned evaluation.",
+    )
+
     # --- checkpoints and logging ------------------------------------------------------------
     save_path: str = Field(
         default="trained_model_checkpoints",

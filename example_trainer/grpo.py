@@ -28,7 +28,7 @@ import torch
 from atroposlib.inference.models import resolve_model_source
 from atroposlib.testing.report import report_from_env
 from example_trainer import weight_sync
-from example_trainer.api import TrainerAPIClient
+from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
 from example_trainer.checkpoint import (
     latest_resumable,
     load_trainer_state,
@@ -254,6 +254,9 @@ def train(
     sync.attach(model)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
+    #: evaluations pinned to a step's weights, not logged yet: request id -> step
+    evals_pending: dict[int, int] = {}
+    eval_every = config.eval_every
     try:
         launching = config.inference == "vllm" and config.launch_vllm
         log.status("starting the inference server" if launching else "")
@@ -358,6 +361,17 @@ def train(
                     "reload_seconds": reload_seconds,
                 },
             )
+            if synced is not None and eval_every and step % eval_every == 0:
+                try:
+                    request = api.request_eval(step, step=step)
+                except TrajectoryAPIError as exc:
+                    # upstream's run-api has no /eval-request: say so once and train on
+                    logger.warning("pinned evaluations are off: %s", exc)
+                    eval_every = 0
+                else:
+                    evals_pending[int(request["request_id"])] = step
+            _collect_evals(api, log, evals_pending, config, wait=config.eval_barrier)
+        _collect_evals(api, log, evals_pending, config, wait=True)
         final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
         logger.info("final model saved to %s", final)
         return final
@@ -370,6 +384,30 @@ def train(
         log.close()
         sync.close()
         api.close()
+
+
+def _collect_evals(
+    api: TrainerAPIClient,
+    log: TrainingLogger,
+    pending: dict[int, int],
+    config: TrainingConfig,
+    *,
+    wait: bool,
+) -> None:
+    """Log the pinned evaluations that are complete (``wait``: wait for each, up to
+    ``eval_timeout``, then log what arrived)."""
+    for request_id, eval_step in list(pending.items()):
+        if wait:
+            log.status(f"step {eval_step}: waiting for the environments' evaluations")
+        try:
+            results = api.eval_results(request_id, wait=wait, timeout=config.eval_timeout)
+        except TrajectoryAPIError as exc:  # run-api restarted or reset: the request is gone
+            logger.warning("evaluation of step %d is lost: %s", eval_step, exc)
+            del pending[request_id]
+            continue
+        if results.get("complete") or wait:
+            log.log_eval(eval_step, results)
+            del pending[request_id]
 
 
 def _resume_folder(config: TrainingConfig) -> Path | None:

@@ -21,14 +21,15 @@ from rich.progress import (
 
 
 def staleness_metrics(policy_versions: Sequence[int | None], step: int) -> dict[str, float]:
-    """How far behind the trainer the groups of a batch were made: for each group with a
-    ``policy_version``, ``step - policy_version`` (the batch's step minus the step whose weights
-    generated it; 1 means the latest synced weights, as run-api's ``--max-staleness`` counts).
+    """How far behind the trainer the groups of a batch were made, as TRL counts it: for each
+    group with a ``policy_version``, the version of the weights about to be trained on the batch
+    of ``step`` (``step - 1``: the trainer has taken ``step - 1`` steps) minus the version whose
+    weights generated it. 0 is on-policy, as run-api's ``--max-staleness`` counts.
 
     Returns ``staleness_mean`` and ``staleness_max`` over the versioned groups (left out when
     none has a version: groups from upstream envs carry none) and ``versioned_group_fraction``.
     """
-    behind = [step - v for v in policy_versions if v is not None]
+    behind = [step - 1 - v for v in policy_versions if v is not None]
     metrics = {"versioned_group_fraction": len(behind) / max(len(policy_versions), 1)}
     if behind:
         metrics["staleness_mean"] = sum(behind) / len(behind)
@@ -116,6 +117,46 @@ class TrainingLogger:
             )
         if self.wandb_run is not None:
             self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+
+    def log_eval(self, step: int, results: dict[str, Any]) -> dict[str, float]:
+        """Record the results of an evaluation pinned to ``step``'s weights (``GET
+        /eval-results``): one record with ``step``, ``eval_policy_version`` and
+        ``eval/<env>/<metric>`` per env that reported (refusals and failures are logged with
+        their reason). Returns the flat metrics."""
+        flat: dict[str, float] = {}
+        for report in results.get("reports", []):
+            name = report.get("env_name") or f"env{report.get('env_id')}"
+            if report.get("status") == "done":
+                for key, value in report.get("metrics", {}).items():
+                    flat[f"eval/{name}/{key.removeprefix('eval/')}"] = float(value)
+            else:
+                self.console.print(
+                    f"evaluation of step {step}: {name} {report.get('status')}: "
+                    f"{report.get('reason', '')}",
+                    highlight=False,
+                )
+        missing = sorted(set(results.get("expected", [])) - {r.get("env_id") for r in
+                                                            results.get("reports", [])})  # fmt: skip
+        record = {
+            "step": step,
+            "time": time.time(),
+            "eval_policy_version": results.get("policy_version"),
+            "eval_request_id": results.get("request_id"),
+            **({"eval_missing_envs": missing} if missing else {}),
+            **flat,
+        }
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if flat:
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(flat.items()))
+            self.console.print(
+                f"evaluation of step {step} (policy version {results.get('policy_version')}): "
+                f"{shown}",
+                highlight=False,
+            )
+        if self.wandb_run is not None and flat:
+            self.wandb_run.log({**flat, "eval/policy_version": results.get("policy_version")})
+        return flat
 
     def close(self) -> None:
         """Stop the live display and finish the W&B run."""

@@ -282,3 +282,30 @@ class TrainerClient:
     def status(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
         """``GET /status``: ``{"current_step", "queue_size"}``."""
         return self._json("GET", "/status", self._deadline(timeout))
+
+    # ------------------------------------------------------------ pinned evaluations
+
+    def request_eval(self, policy_version: int, *, step: int | None = None) -> dict[str, Any]:
+        """``POST /eval-request``: every env that takes such requests evaluates the weights of
+        ``policy_version`` (the step the trainer just synced) and reports to run-api. Returns
+        ``{"request_id", "policy_version", "step", "expected": [env ids], ...}`` (see
+        :meth:`eval_results`)."""
+        body = {"policy_version": policy_version, "step": step}
+        return self._json("POST", "/eval-request", self._deadline(30.0), json=body)
+
+    def eval_results(
+        self, request_id: int, *, wait: bool = False, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """``GET /eval-results``: the reports of request ``request_id`` so far (``complete``:
+        every expected env answered or disconnected). ``wait``: poll until complete, or until
+        ``timeout`` seconds (then the partial results, ``complete`` false)."""
+        deadline = self._deadline(timeout)
+        while True:
+            reply = self._json(
+                "GET", "/eval-results", self._deadline(30.0), params={"request_id": request_id}
+            )
+            if not wait or reply.get("complete"):
+                return reply
+            if deadline is not None and time.monotonic() > deadline:
+                return reply
+            time.sleep(0.5)

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from atroposlib.api.evals import EvalBoard
 from atroposlib.api.ingest import GroupParser
 from atroposlib.api.queue import QueueLimits, TrajectoryQueue
 from atroposlib.api.settings import ApiSettings
@@ -30,6 +31,8 @@ class ApiState:
     parser: GroupParser
     #: bytes of request bodies held at once, over all requests (``--ingest-budget-bytes``)
     budget: BodyBudget
+    #: evaluations pinned to a policy version (in memory; a restart forgets them)
+    evals: EvalBoard
 
     @classmethod
     def open(cls, settings: ApiSettings) -> ApiState:
@@ -58,6 +61,7 @@ class ApiState:
             queue=queue,
             parser=GroupParser(settings.ingest_threads),
             budget=BodyBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes)),
+            evals=EvalBoard(),
         )
 
     def close(self) -> None:

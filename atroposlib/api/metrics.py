@@ -198,4 +198,21 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "Groups handed out per env.",
         [(lbl, e["served_groups"]) for lbl, e in env_samples],
     )
+    evals = m.get("evals") or []
+    if evals:
+        metric(
+            "eval_metric",
+            "gauge",
+            "Each env's latest evaluation pinned to a policy version (POST /eval-request), one "
+            "sample per metric, labelled with the version evaluated and the trainer's step.",
+            [
+                (
+                    f'{{env="{_label(r["env_name"])}",metric="{_label(name)}",'
+                    f'policy_version="{r["policy_version"]}",step="{_label("" if r["step"] is None else r["step"])}"}}',
+                    value,
+                )
+                for r in evals
+                for name, value in sorted(r["metrics"].items())
+            ],
+        )
     return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ Field names, types and defaults are upstream Atropos's.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
@@ -23,6 +23,8 @@ __all__ = [
     "GROUP_KEYS",
     "PER_SEQUENCE_KEYS",
     "EnvIdentifier",
+    "EvalRequestBody",
+    "EvalResultBody",
     "GroupError",
     "RegisterEnv",
     "Registration",
@@ -84,6 +86,32 @@ class RegisterEnv(BaseModel):
         default=None,
         description="Guaranteed fraction (0..1) of every batch reserved for this env's data.",
     )
+    eval_requests: bool = Field(
+        default=False,
+        description="Not in upstream: this env answers evaluations a trainer pins to a policy "
+        "version (/eval-request). Upstream's run-api ignores the field.",
+    )
+
+
+class EvalRequestBody(BaseModel):
+    """``POST /eval-request``: a trainer asks every env to evaluate the weights of a version."""
+
+    policy_version: Int32 = Field(ge=0, description="Version of the weights to evaluate.")
+    step: Int32 | None = Field(default=None, description="Trainer step the result belongs to.")
+
+
+class EvalResultBody(BaseModel):
+    """``POST /eval-result``: an env's answer to one evaluation request."""
+
+    request_id: Int32 = Field(description="The request answered (from /status-env).")
+    env_id: Int32 = Field(description="The answering env's id.")
+    policy_version: Int32 = Field(description="Version of the weights the env evaluated.")
+    status: Literal["done", "refused", "failed"] = Field(description="What became of it.")
+    metrics: dict[Name, Finite] = Field(
+        default_factory=dict, description="The env's evaluation metrics (name -> value)."
+    )
+    reason: Text = Field(default="", description="Why it was refused or failed.")
+    seconds: Finite = Field(default=0.0, ge=0, description="How long the evaluation took.")
 
 
 class EnvIdentifier(BaseModel):

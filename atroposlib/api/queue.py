@@ -35,7 +35,8 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
 * Policy versions (``policy_version``, the trainer step whose weights generated a group) are
   kept with each group. With ``max_staleness=K`` (``run-api --max-staleness``), when a batch is
   formed for step ``s`` (the step it is handed out as: batches handed out so far, this one
-  included) every queued group whose :func:`staleness` is more than ``K`` is dropped
+  included; the trainer trains it on the weights of version ``s - 1``) every queued group whose
+  :func:`staleness` is more than ``K`` is dropped
   (``stale``) before the batch is chosen; groups without a version are never stale. A batch
   handed out again to an acknowledging trainer is not re-checked.
 * Nothing is dropped silently: every refused or dropped group is counted by reason.
@@ -94,11 +95,14 @@ def ahead_of_trainer(step: int, policy_version: int) -> bool:
 
 
 def staleness(batch_step: int, policy_version: int) -> int:
-    """How many steps the weights that made a group (``policy_version``) are behind the batch
-    of ``batch_step`` it would go into: ``batch_step - policy_version``. The one definition the
-    queue uses (``--max-staleness`` drops a group when this is more than the limit); it must
-    not decrease as ``policy_version`` grows."""
-    return batch_step - policy_version
+    """How many versions the weights that made a group (``policy_version``) are behind the
+    weights that will train on it, as TRL counts it (``AsyncGRPOTrainer``: current version minus
+    the sample's ``model_version``). The batch of ``batch_step`` is trained on the weights of
+    version ``batch_step - 1`` (the trainer has taken ``batch_step - 1`` steps), so this is
+    ``batch_step - 1 - policy_version``: 0 for on-policy data. The one definition the queue
+    uses (``--max-staleness K`` drops a group when this is more than ``K``: 0 keeps on-policy
+    groups only); it must not decrease as ``policy_version`` grows."""
+    return batch_step - 1 - policy_version
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,11 @@ class TrajectoryQueue:
     def envs(self) -> list[dict[str, Any]]:
         """The env records of this run (:class:`~atroposlib.api.registry.EnvRegistry`)."""
         return self.registry.records
+
+    def evaluators(self) -> dict[int, str]:
+        """Env id -> name of the connected envs that take pinned evaluations."""
+        with self._lock:
+            return self.registry.evaluators()
 
     @property
     def dropped(self) -> Counter[str]:

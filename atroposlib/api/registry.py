@@ -28,7 +28,7 @@ class EnvRegistry:
         self.max_envs = max_envs
         #: one record per env id: ``max_context_len``, ``weight``, ``desired_name``,
         #: ``real_name``, ``registered_id``, ``last_update``, ``connected``,
-        #: ``min_batch_allocation``, ``group_size``
+        #: ``min_batch_allocation``, ``group_size``, ``eval_requests``
         self.records: list[dict[str, Any]] = list(records or [])
 
     def __len__(self) -> int:
@@ -58,6 +58,7 @@ class EnvRegistry:
             "connected": True,
             "min_batch_allocation": req.min_batch_allocation,
             "group_size": req.group_size,
+            "eval_requests": req.eval_requests,
         }
         self.records.append(record)
         return record
@@ -88,6 +89,14 @@ class EnvRegistry:
     def connected(self) -> list[dict[str, Any]]:
         """Records of the connected envs."""
         return [e for e in self.records if e["connected"]]
+
+    def evaluators(self) -> dict[int, str]:
+        """Env id -> name of the connected envs that take pinned evaluations."""
+        return {
+            e["registered_id"]: e["real_name"]
+            for e in self.records
+            if e["connected"] and e.get("eval_requests")
+        }
 
     def min_allocations(self) -> dict[int, float]:
         """``min_batch_allocation`` of each connected env that set one."""

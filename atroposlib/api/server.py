@@ -41,7 +41,7 @@ from atroposlib.api import middleware
 from atroposlib.api.dependencies import ApiState
 from atroposlib.api.errors import Refused
 from atroposlib.api.responses import REFUSAL_STATUS, refusal_response
-from atroposlib.api.routers import env, ops, trainer
+from atroposlib.api.routers import env, evals, ops, trainer
 from atroposlib.api.settings import ApiSettings
 
 __all__ = ["REFUSAL_STATUS", "create_app", "create_app_from_env"]
@@ -86,7 +86,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         ]
         return JSONResponse({"detail": errors}, 422)
 
-    for router in (env.router, trainer.router, ops.router):
+    for router in (env.router, trainer.router, evals.router, ops.router):
         app.include_router(router)
     return app
 

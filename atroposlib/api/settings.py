@@ -107,11 +107,12 @@ class ApiSettings(BaseModel):
         None,
         ge=0,
         le=(1 << 62),
-        description="Most steps a group's policy_version may be behind the batch it goes into: "
-        "when the batch of step s is formed, queued groups with s - policy_version greater "
-        'than this are dropped, logged and counted as dropped{reason="stale"} in /metrics '
-        "(1 keeps only groups made by the latest weights the trainer synced). Groups without a "
-        "policy_version are never stale. Unset: no limit (upstream's behaviour).",
+        description="Most versions a group's policy_version may be behind the weights that will "
+        "train on it, as TRL counts staleness: the batch of step s is trained on version s-1, "
+        "so when it is formed, queued groups with (s - 1) - policy_version greater than this "
+        'are dropped, logged and counted as dropped{reason="stale"} in /metrics (0 keeps only '
+        "on-policy groups, 1 allows one step behind). Groups without a policy_version are "
+        "never stale. Unset: no limit (upstream's behaviour).",
     )
     retry_after_s: int = Field(
         1, ge=0, description="Seconds sent in Retry-After when the queue is full."

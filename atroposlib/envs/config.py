@@ -50,6 +50,13 @@ class BaseEnvConfig(BaseModel):
         description="Run evaluate() every time the trainer step crosses a multiple of this "
         "(0 or less: never)",
     )
+    eval_version_wait: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds an evaluation the trainer pins to a policy version waits for the "
+        "inference servers to serve that version before it is refused (run-api's "
+        "/eval-request; see docs/compat.md, Evaluations pinned to a policy version)",
+    )
     max_token_length: int = Field(
         default=2048,
         gt=0,

@@ -45,6 +45,9 @@ class Registration:
             "weight": config.inference_weight,
             "min_batch_allocation": config.min_batch_allocation,
             "group_size": config.group_size,
+            # not in upstream (its run-api ignores it): this env answers evaluations a
+            # trainer pins to a policy version (atroposlib.envs.pinned_eval)
+            "eval_requests": True,
         }
 
     async def register(self) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from atroposlib.envs import throttle
 from atroposlib.envs.config import EvalHandlingEnum
+from atroposlib.envs.pinned_eval import pinned_evaluate
 from atroposlib.envs.server_handling.policy_version import end_rollout, start_rollout
 from atroposlib.type_definitions import Item
 
@@ -88,6 +89,9 @@ class ServeLoop:
         self._wake: asyncio.Event | None = None
         #: Whether the queue (with what is in flight) covers total_steps: no new rollouts.
         self._enough_queued = False
+        #: The evaluation pinned to a policy version that runs now, and the last one started.
+        self.pinned_eval: asyncio.Task | None = None
+        self._pinned_request: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,9 +155,10 @@ class ServeLoop:
         tasks = list(env.workers)
         for task in tasks:
             task.cancel()
-        if env.eval_runner is not None and not env.eval_runner.done():
-            env.eval_runner.cancel()
-            tasks.append(env.eval_runner)
+        for runner in (env.eval_runner, self.pinned_eval):
+            if runner is not None and not runner.done():
+                runner.cancel()
+                tasks.append(runner)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         env.workers = set()
@@ -278,12 +283,16 @@ class ServeLoop:
         env = self.env
         if env.status_dict is None:
             return
+        self._start_pinned_eval(env.status_dict.get("eval_request"))
         new_step = int(env.status_dict["current_step"])
         if new_step == env.curr_step:
             return
         old_step = env.curr_step
         if throttle.crossed_multiple(old_step, new_step, env.config.steps_per_eval):
-            if env.eval_runner is None or env.eval_runner.done():
+            pinned = self.pinned_eval is not None and not self.pinned_eval.done()
+            if pinned:
+                logger.info("Step %d: a pinned evaluation runs; no step evaluation", new_step)
+            elif env.eval_runner is None or env.eval_runner.done():
                 logger.info("Step %d: starting evaluate()", new_step)
                 env.eval_runner = asyncio.create_task(env.evaluate())
                 env.eval_runner.add_done_callback(_log_eval_result)
@@ -297,6 +306,27 @@ class ServeLoop:
         if env.items_sent_this_step >= env.config.min_items_sent_before_logging:
             env.items_sent_this_step = 0
             await env.wandb_log({})
+
+    def _start_pinned_eval(self, request: Any) -> None:
+        """Start the evaluation a trainer pinned to a policy version (``/status-env``'s
+        ``eval_request``), once per request, never two at a time (module
+        :mod:`~atroposlib.envs.pinned_eval`)."""
+        if not isinstance(request, dict) or "request_id" not in request:
+            return
+        if request["request_id"] == self._pinned_request:
+            return
+        if self.pinned_eval is not None and not self.pinned_eval.done():
+            return
+        if self.env.eval_runner is not None and not self.env.eval_runner.done():
+            return  # the step evaluation finishes first
+        self._pinned_request = request["request_id"]
+        logger.info(
+            "Evaluation %s pinned to policy version %s requested",
+            request["request_id"],
+            request.get("policy_version"),
+        )
+        self.pinned_eval = asyncio.create_task(pinned_evaluate(self.env, request))
+        self.pinned_eval.add_done_callback(_log_eval_result)
 
     async def handle_env(self, item_uuid: str) -> Any:
         """``handle_env``: collect, postprocess, send and clean up one running item (with the

@@ -191,12 +191,12 @@ def test_store_written_before_policy_versions_is_upgraded(start_api, tmp_path: P
                (json.dumps(old).encode(),))  # fmt: skip
     db.commit()
     db.close()
-    server = start_api("--store", str(path), "--max-staleness", "1")
+    server = start_api("--store", str(path), "--max-staleness", "0")
     with httpx.Client(base_url=server.url, timeout=10) as client:
         step, batch = take(client)
         assert (step, tags(batch), set(batch[0])) == (5, [9], UPSTREAM_KEYS)
         client.post("/scored_data_list", json=[versioned(1, 2), versioned(2, 5)])
-        step, batch = take(client)  # 6 - 2 > 1: the first is stale
+        step, batch = take(client)  # (6 - 1) - 2 > 0: the first is stale
         assert (step, tags(batch), batch[0]["policy_version"]) == (6, [2], 5)
         assert metrics(client)["dropped"] == {"stale": 1}
 
@@ -204,20 +204,23 @@ def test_store_written_before_policy_versions_is_upgraded(start_api, tmp_path: P
 # ---------------------------------------------------------------- --max-staleness
 
 
-def test_max_staleness_1_serves_version_0_at_step_1_and_drops_it_at_step_2(start_api) -> None:
-    server = start_api("--max-staleness", "1")
+def test_max_staleness_0_serves_version_0_at_step_1_and_drops_it_at_step_2(start_api) -> None:
+    """Staleness as TRL counts it: the batch of step s is trained on version s - 1, so version-0
+    data at step 1 is on-policy (staleness 0) and ``--max-staleness 0`` keeps it."""
+    server = start_api("--max-staleness", "0")
     with httpx.Client(base_url=server.url, timeout=10) as client:
         start_run(client, batch_size=2)  # one group of 2 per batch
         client.post(
             "/scored_data_list",
             json=[versioned(1, 0), versioned(2, 0), versioned(3, 1), versioned(4, None)],
         )
-        assert take(client)[0] == 1  # the first version-0 group: 1 - 0 = 1, served
-        step, batch = take(client)  # the second: 2 - 0 = 2 > 1, dropped; next in line served
+        assert take(client)[0] == 1  # the first version-0 group: (1 - 1) - 0 = 0, served
+        step, batch = take(client)  # the second: (2 - 1) - 0 = 1 > 0, dropped; the next
+        # (version 1, on-policy at step 2) served
         assert (step, tags(batch)) == (2, [3])
         m = metrics(client)
         assert m["dropped"] == {"stale": 1}
-        assert m["max_staleness"] == 1
+        assert m["max_staleness"] == 0
         text = client.get("/metrics").text
         assert 'atropos_dropped_groups_total{reason="stale"} 1' in text
         # a group without a version is never stale, however late it is served
@@ -265,12 +268,12 @@ def test_every_accepted_group_is_served_or_counted_stale(start_api) -> None:
     assert len(served_tags) + dropped + m["queue_groups"] == len(sent)
     for step_served, g in served:
         if g.get("policy_version") is not None:
-            assert step_served - g["policy_version"] <= 2
+            assert (step_served - 1) - g["policy_version"] <= 2
         assert g.get("policy_version") == sent[g["tokens"][0][0]]
 
 
 def test_durable_store_enforces_staleness_after_a_restart(start_api, tmp_path: Path) -> None:
-    args = ("--store", str(tmp_path / "q.sqlite3"), "--max-staleness", "1")
+    args = ("--store", str(tmp_path / "q.sqlite3"), "--max-staleness", "0")
     server = start_api(*args)
     with httpx.Client(base_url=server.url, timeout=10) as client:
         start_run(client, batch_size=2)
@@ -285,7 +288,7 @@ def test_durable_store_enforces_staleness_after_a_restart(start_api, tmp_path: P
 
 
 def test_redelivered_batch_is_not_rechecked(start_api) -> None:
-    server = start_api("--max-staleness", "1")
+    server = start_api("--max-staleness", "0")
     with httpx.Client(base_url=server.url, timeout=10) as client:
         start_run(client, batch_size=2)
         client.post("/scored_data_list", json=[versioned(1, 0), versioned(2, 1)])

@@ -241,13 +241,14 @@ def test_batch_keeps_each_groups_policy_version(upstream_padding: bool) -> None:
     assert batch.policy_versions == [3, None, 5]
 
 
-def test_staleness_is_steps_behind_the_batch(tmp_path: Path) -> None:
+def test_staleness_is_versions_behind_the_weights_trained(tmp_path: Path) -> None:
+    # the batch of step 6 is trained on version 5: TRL's count, 0 is on-policy
     assert staleness_metrics([3, None, 5], step=6) == {
         "versioned_group_fraction": pytest.approx(2 / 3),
-        "staleness_mean": 2.0,
-        "staleness_max": 3.0,
+        "staleness_mean": 1.0,
+        "staleness_max": 2.0,
     }
-    assert staleness_metrics([5, 5], step=6)["staleness_max"] == 1.0  # latest weights: 1
+    assert staleness_metrics([5, 5], step=6)["staleness_max"] == 0.0  # on-policy: 0
     assert staleness_metrics([None, None], step=6) == {"versioned_group_fraction": 0.0}
     # logged with the step's other metrics
     log = TrainingLogger(10, 0, tmp_path / "metrics.jsonl", progress=False)
@@ -257,7 +258,7 @@ def test_staleness_is_steps_behind_the_batch(tmp_path: Path) -> None:
     )
     log.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert (record["step"], record["staleness_mean"], record["staleness_max"]) == (6, 1.5, 2.0)
+    assert (record["step"], record["staleness_mean"], record["staleness_max"]) == (6, 0.5, 1.0)
 
 
 def _sample_batch(vocab: int) -> list[dict]:

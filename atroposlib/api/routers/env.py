@@ -36,17 +36,21 @@ async def register_env(register_env: RegisterEnv, queue: Queue) -> dict[str, Any
 
 
 @router.post("/disconnect-env")
-async def disconnect_env(body: EnvIdentifier, queue: Queue) -> Any:
-    """Mark an env gone; its held parts are queued as they are. Unknown id: 404."""
+async def disconnect_env(body: EnvIdentifier, state: State, queue: Queue) -> Any:
+    """Mark an env gone; its held parts are queued as they are, and pinned evaluations stop
+    waiting for it. Unknown id: 404."""
     try:
-        return await run_in_threadpool(queue.disconnect_env, body.env_id)
+        reply = await run_in_threadpool(queue.disconnect_env, body.env_id)
     except UnknownEnv as exc:
         return JSONResponse({"status": "failure", "error": str(exc)}, 404)
+    state.evals.env_left(body.env_id)
+    return reply
 
 
 @router.api_route("/status-env", methods=["GET", "POST"])
-async def status_env(request: Request, queue: Queue) -> Any:
-    """Per-env queue view. ``env_id`` from ``?env_id=`` or a JSON body (GET or POST)."""
+async def status_env(request: Request, state: State, queue: Queue) -> Any:
+    """Per-env queue view. ``env_id`` from ``?env_id=`` or a JSON body (GET or POST). Carries
+    ``eval_request`` (not in upstream) while the env has a pinned evaluation to answer."""
     env_id: Any = request.query_params.get("env_id")
     if env_id is None:
         raw = await request.body()
@@ -61,11 +65,19 @@ async def status_env(request: Request, queue: Queue) -> Any:
     except ValidationError:
         raise bad_param("env_id must be an integer", "env_id", "int_parsing") from None
     try:
-        return queue.status_env(env_id)
+        reply = queue.status_env(env_id)
     except UnknownEnv as exc:  # the env addressed does not exist: 404, not a refusal
         where = "query" if "env_id" in request.query_params else "body"
         detail = [{"loc": [where, "env_id"], "msg": str(exc), "type": "unknown_env"}]
         return JSONResponse({"detail": detail}, 404)
+    pending = state.evals.pending_for(env_id)
+    if pending is not None:
+        reply["eval_request"] = {
+            "request_id": pending.request_id,
+            "policy_version": pending.policy_version,
+            "step": pending.step,
+        }
+    return reply
 
 
 async def ingest(state: ApiState, raw: bytes, many: bool) -> Response:

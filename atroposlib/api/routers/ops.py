@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from atroposlib.api.dependencies import Queue
+from atroposlib.api.dependencies import Queue, State
 from atroposlib.api.metrics import PROMETHEUS_CONTENT_TYPE, prometheus_text
 from atroposlib.api.responses import bad_param, json_response
 from atroposlib.schema import EMPTY_EXAMPLE
@@ -32,12 +32,14 @@ async def health(queue: Queue) -> dict[str, Any]:
 
 
 @router.get("/metrics")
-async def metrics(queue: Queue, format: str = "prometheus") -> Response:
-    """Queue depth, accepted/refused/dropped counts by reason, batches served, per env.
+async def metrics(queue: Queue, state: State, format: str = "prometheus") -> Response:
+    """Queue depth, accepted/refused/dropped counts by reason, batches served, per env, and
+    each env's latest pinned evaluation.
 
     Prometheus text by default; ``?format=json`` for JSON.
     """
     snapshot = queue.metrics()
+    snapshot["evals"] = [{**r.wire(), "step": step} for r, step in state.evals.latest_with_step()]
     if format == "json":
         return json_response(snapshot)
     if format != "prometheus":
@@ -54,7 +56,9 @@ async def latest_example(queue: Queue) -> Response:
 
 
 @router.api_route("/reset_data", methods=["GET", "POST"])
-async def reset_data(queue: Queue) -> PlainTextResponse:
-    """Forget the run: registration, envs, queue (dropped groups are counted) and step."""
+async def reset_data(queue: Queue, state: State) -> PlainTextResponse:
+    """Forget the run: registration, envs, queue (dropped groups are counted), step and
+    pinned evaluations."""
     await run_in_threadpool(queue.reset)
+    state.evals.reset()
     return PlainTextResponse("Reset successful", status_code=200)
