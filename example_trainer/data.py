@@ -76,6 +76,11 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # [B, T], NaN where unknown
     temperatures: torch.Tensor  # [B]
     prefix_ids: torch.Tensor | None = None  # [P]
+    # the truncation each row was sampled with, replayed so the ratio is 1 without a weight
+    # change (atroposlib.trainer.sampled_logprobs); None: no row was truncated
+    top_k: torch.Tensor | None = None  # [B] long, -1: none
+    top_p: torch.Tensor | None = None  # [B] float, 1.0: none
+    min_p: torch.Tensor | None = None  # [B] float, 0.0: none
 
     @property
     def mask(self) -> torch.Tensor:
@@ -122,6 +127,9 @@ class _Row:
     old: list[float]  # per position, NaN where unknown
     temperature: float
     group: int
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def first_trained(self) -> int:
         for i, label in enumerate(self.labels):
@@ -151,6 +159,9 @@ def _row(row: TrainingRow, group: int) -> _Row:
         old=old[1:],
         temperature=row.temperature,
         group=group,
+        top_k=row.top_k,
+        top_p=row.top_p,
+        min_p=row.min_p,
     )
 
 
@@ -183,6 +194,7 @@ def _stack(rows: list[_Row], start: int, width: int, prefix: list[int] | None) -
         advantages[i, :size] = torch.tensor(row.advantages[start:], dtype=torch.float32)
         old[i, :size] = torch.tensor(row.old[start:], dtype=torch.float32)
         temps[i] = row.temperature
+    truncated = any(r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in rows)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,
@@ -190,6 +202,9 @@ def _stack(rows: list[_Row], start: int, width: int, prefix: list[int] | None) -
         old_logprobs=old,
         temperatures=temps,
         prefix_ids=None if prefix is None else torch.tensor(prefix, dtype=torch.long),
+        top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long) if truncated else None,
+        top_p=torch.tensor([r.top_p for r in rows]) if truncated else None,
+        min_p=torch.tensor([r.min_p for r in rows]) if truncated else None,
     )
 
 

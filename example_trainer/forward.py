@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from atroposlib.trainer.tensors import truncate_logits
 from example_trainer.data import MicroBatch
 
 logger = logging.getLogger(__name__)
@@ -44,16 +45,32 @@ def _scaled_logprobs(
     targets: torch.Tensor,
     temperatures: torch.Tensor,
     stats: dict[str, float] | None = None,
+    truncation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """Log-probabilities of ``targets`` under the distribution the sampler drew them from:
+    ``logits`` divided by the temperature and, with ``truncation`` (per-position top-k, top-p,
+    min-p), cut to the sampler's support and renormalised
+    (:func:`atroposlib.trainer.tensors.truncate_logits`)."""
     temps = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     scaled = logits.float() / temps.to(logits.device).unsqueeze(-1)
+    if truncation is not None:
+        scaled = truncate_logits(scaled, *truncation, keep=targets)
     if stats is not None:
         with torch.no_grad():
             logp = torch.log_softmax(scaled, dim=-1)
-            entropy = -(logp.exp() * logp).sum(dim=-1)
+            entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(dim=-1)
             stats["entropy_sum"] = stats.get("entropy_sum", 0.0) + float(entropy.sum())
             stats["entropy_tokens"] = stats.get("entropy_tokens", 0.0) + entropy.numel()
     return -F.cross_entropy(scaled, targets, reduction="none")
+
+
+def _truncation(
+    mb: MicroBatch, rows: torch.Tensor, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The micro-batch's per-row truncation, one entry per selected position (``rows``)."""
+    if mb.top_k is None or mb.top_p is None or mb.min_p is None:
+        return None
+    return tuple(t.to(device)[rows] for t in (mb.top_k, mb.top_p, mb.min_p))  # type: ignore[return-value]
 
 
 def full_logprobs(
@@ -62,13 +79,18 @@ def full_logprobs(
     labels: torch.Tensor,
     temps: torch.Tensor,
     stats: dict[str, float] | None = None,
+    truncation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``[B, T]`` log-probabilities of ``labels`` from a plain forward pass (0 where -100)."""
+    """``[B, T]`` log-probabilities of ``labels`` from a plain forward pass (0 where -100);
+    ``truncation``: per-row ``(top_k, top_p, min_p)`` the rows were sampled with."""
     logits = model(input_ids=input_ids).logits  # [B, T, V]
     selected = labels != -100
     out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
     rows = selected.nonzero(as_tuple=True)[0]
-    out[selected] = _scaled_logprobs(logits[selected], labels[selected], temps[rows], stats)
+    cut = None if truncation is None else tuple(t.to(logits.device)[rows] for t in truncation)
+    out[selected] = _scaled_logprobs(
+        logits[selected], labels[selected], temps[rows], stats, cut  # type: ignore[arg-type]
+    )
     return out
 
 
@@ -82,7 +104,10 @@ def policy_logprobs(
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probabilities of ``mb.labels`` under ``model`` (0 where -100).
 
-    Logits are divided by each row's sampling temperature (values <= 0 count as 1). With
+    Logits are divided by each row's sampling temperature (values <= 0 count as 1) and, for
+    rows sampled with top-k/top-p/min-p, truncated and renormalised as the sampler did, so
+    the ratio to ``--logprobs-mode processed_logprobs`` log-probs is 1 for unchanged weights
+    (``docs/compat.md``, "Unbiased importance ratios"). With
     ``fast`` (see :func:`check_fast_path`), the head runs on trained positions only and a
     shared prompt runs once; otherwise the prompt is prepended to every row and the whole
     sequence goes through ``model``. ``stats``, when given, accumulates ``entropy_sum`` and
@@ -91,6 +116,11 @@ def policy_logprobs(
     input_ids = mb.input_ids.to(device)
     labels = mb.labels.to(device)
     temps = mb.temperatures.to(device)
+    truncation = (
+        None
+        if mb.top_k is None or mb.top_p is None or mb.min_p is None
+        else (mb.top_k.to(device), mb.top_p.to(device), mb.min_p.to(device))
+    )
     parts = _parts(model) if fast else None
     if parts is None:
         if mb.prefix_ids is not None:
@@ -101,9 +131,10 @@ def policy_logprobs(
                 torch.cat([torch.full_like(prefix, -100), labels], dim=1),
                 temps,
                 stats,
+                truncation,
             )
             return full[:, prefix.shape[1] :]
-        return full_logprobs(model, input_ids, labels, temps, stats)
+        return full_logprobs(model, input_ids, labels, temps, stats, truncation)
 
     decoder, head = parts
     kwargs: dict[str, Any] = {}
@@ -118,7 +149,9 @@ def policy_logprobs(
     out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
     if rows.numel():
         logits = head(hidden[selected])
-        out[selected] = _scaled_logprobs(logits, labels[selected], temps[rows], stats)
+        out[selected] = _scaled_logprobs(
+            logits, labels[selected], temps[rows], stats, _truncation(mb, rows, device)
+        )
     else:
         out = out + 0.0 * hidden.sum()  # keeps the graph connected for backward()
     return out

@@ -5,25 +5,45 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
+
+from atroposlib.trainer.tensors import sampled_logprobs
 
 
 def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperatures: torch.Tensor
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Log-probability of each label under temperature-scaled logits.
+    """Log-probability of each label under the distribution the sampler drew it from.
 
     Args:
         logits: ``[B, T, V]`` next-token logits.
         labels: ``[B, T]`` target ids, ``-100`` where nothing is trained.
         temperatures: ``[B]`` sampling temperature of each sequence (values <= 0 count as 1).
+        top_k, top_p, min_p: ``[B]`` the truncation each sequence was sampled with (None:
+            none): the temperature-scaled distribution is cut to the sampler's support and
+            renormalised (:func:`atroposlib.trainer.tensors.sampled_logprobs`), as
+            ``--logprobs-mode processed_logprobs`` reports it.
 
     Returns:
         ``[B, T]`` float32 log-probabilities (0 where the label is -100).
     """
-    temps = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    scaled = logits.float() / temps.to(logits.device).view(-1, 1, 1)
-    logp = -F.cross_entropy(scaled.transpose(1, 2), labels.clamp(min=0), reduction="none")  # [B, T]
+    batch, width, vocab = logits.shape
+
+    def rows(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.view(-1, 1).expand(batch, width).reshape(-1)
+
+    logp = sampled_logprobs(
+        logits.reshape(-1, vocab),
+        labels.clamp(min=0).reshape(-1),
+        rows(temperatures),
+        rows(top_k),
+        rows(top_p),
+        rows(min_p),
+    ).view(batch, width)
     return logp * (labels != -100)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from atroposlib.envs.server_handling.managed_server import reply_message
@@ -52,6 +52,17 @@ def uses_token_server(env: Any) -> bool:
     return bool(servers) and bool(getattr(servers[0], "provides_token_logprobs", False))
 
 
+#: Request arguments that shape the distribution a token is drawn from and that a trainer
+#: replays (``atroposlib.trainer.rows``): sent to it in ``generation_params``.
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def sampling_params(request: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``request`` (``chat_completion`` arguments) a trainer needs to score
+    samples as they were drawn: :data:`SAMPLING_KEYS` that are set."""
+    return {key: request[key] for key in SAMPLING_KEYS if request.get(key) is not None}
+
+
 def node_logprobs(managed: Any, node: Any) -> list[float] | None:
     """A session node's sampler logprobs, or None when the session re-tokenized the chat
     (a server without token logprobs)."""
@@ -72,6 +83,9 @@ class Sample:
         logprobs: Sampler logprobs per token (1.0 on prompt positions); None when the
             server gives none (plain OpenAI endpoints).
         messages: The chat with the completion as the last assistant message.
+        generation_params: How it was sampled (``temperature``, and ``top_k``/``top_p``/
+            ``min_p`` when set): the trainer scales and truncates its logits the same way, so
+            its importance ratio to ``logprobs`` is 1 for unchanged weights.
     """
 
     text: str
@@ -80,6 +94,7 @@ class Sample:
     masks: list[int]
     logprobs: list[float] | None
     messages: list[dict[str, Any]]
+    generation_params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trainable_tokens(self) -> int:
@@ -135,6 +150,7 @@ async def sample_chat_group(
                     masks=list(node.masked_tokens),
                     logprobs=node_logprobs(managed, node),
                     messages=[*messages, {"role": "assistant", "content": text}],
+                    generation_params=sampling_params(request),
                 )
             )
     return samples
@@ -171,6 +187,12 @@ def group_from_samples(
     )
     if samples and all(s.logprobs is not None for s in samples):
         group["inference_logprobs"] = [s.logprobs for s in samples]  # type: ignore[misc]
+    params = [s.generation_params for s in samples]
+    if params and all(p == params[0] for p in params):
+        if params[0]:
+            group["generation_params"] = dict(params[0])
+    elif params:
+        group["overrides"] = [dict(p) for p in params]
     if group_size is not None and len(samples) != group_size:
         group["group_overrides"] = {"group_size": len(samples)}
     return group
@@ -248,6 +270,8 @@ class ChatSession:
         self.tool_parser = tool_parser
         self.min_turn_tokens = min_turn_tokens
         self.finish_reasons: list[str] = []
+        self.generation_params: dict[str, Any] = {}
+        """How the turns were sampled (temperature, top-k/top-p/min-p), for the trainer."""
         self.turns = 0
         self.truncated = False
         self._cm: Any = None
@@ -297,6 +321,9 @@ class ChatSession:
         if self.tools:
             request["tools"] = self.tools
         reply = await self.managed.chat_completion(**request)
+        if kwargs.get("split") != "eval":
+            # the last training turn's settings: turns of one episode are sampled alike
+            self.generation_params = sampling_params(request)
         choice = reply.choices[0]
         self.messages.append(reply_message(choice))
         self.finish_reasons.append(choice.finish_reason or "")
@@ -304,8 +331,9 @@ class ChatSession:
         return choice
 
     def trajectory(self) -> dict[str, Any] | None:
-        """``{"tokens", "masks", "inference_logprobs" (token servers only), "messages"}`` for
-        the conversation up to the model's last turn; None when the model never spoke."""
+        """``{"tokens", "masks", "inference_logprobs" (token servers only), "messages",
+        "generation_params"}`` for the conversation up to the model's last turn; None when
+        the model never spoke."""
         if self.turns == 0 or self.managed is None:
             return None
         nodes = self.managed.get_state()["nodes"]
@@ -321,4 +349,6 @@ class ChatSession:
         if logprobs is not None:
             out["inference_logprobs"] = logprobs
         out["messages"] = [dict(m) for m in self.messages]
+        if self.generation_params:
+            out["generation_params"] = dict(self.generation_params)
         return out

@@ -91,11 +91,12 @@ class ServeSettings(BaseModel):
         "the rest of the server runs torch single-threaded.",
     )
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        "raw_logprobs",
-        description="Log-probabilities reported with tokens (vLLM's flag): of the model's own "
-        "distribution, or of the one each token was sampled from (after temperature, "
-        "top-k/top-p/min-p, penalties). RL trainers that sample at a temperature other than 1 "
-        "need processed_logprobs for their importance ratios.",
+        "processed_logprobs",
+        description="Log-probabilities reported with sampled tokens (vLLM's flag): "
+        "processed_logprobs (the default here; vLLM's is raw_logprobs) of the distribution "
+        "each token was drawn from (penalties, temperature, min-p, top-k, top-p applied, "
+        "renormalised), which an RL trainer's importance ratio needs (docs/compat.md, "
+        "'Unbiased importance ratios'); raw_logprobs of the model's own distribution.",
     )
     compile: bool = Field(
         False,

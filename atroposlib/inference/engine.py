@@ -229,10 +229,10 @@ class GenerationEngine:
     what the model computes; the packed and fused weights are extra copies of the linear
     weights. ``compile`` compiles the decode step instead (keeping only the attention kernel).
 
-    ``logprobs_mode`` (vLLM's names): ``raw_logprobs`` reports log-probabilities of the model's
-    distribution; ``processed_logprobs`` of the distribution each token was drawn from (after
-    temperature, top-k/top-p/min-p and penalties), which RL trainers need as the behaviour
-    policy's log-probabilities when sampling at a temperature other than 1.
+    ``logprobs_mode`` (vLLM's names): ``processed_logprobs`` (the default) reports
+    log-probabilities of the distribution each token was drawn from (after penalties,
+    temperature, min-p, top-k and top-p, renormalised), the behaviour policy an RL trainer's
+    importance ratio divides by; ``raw_logprobs`` of the model's own distribution.
     """
 
     def __init__(
@@ -250,7 +250,7 @@ class GenerationEngine:
         fast_decode: bool = True,
         lean_decode: bool = True,
         threads: int | None = None,
-        logprobs_mode: str = "raw_logprobs",
+        logprobs_mode: str = "processed_logprobs",
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")

@@ -1,8 +1,11 @@
 """Sampling parameters and the batched sampler used by the generation engine.
 
-Log-probabilities reported to clients are always the model's raw distribution
-(``log_softmax`` of the logits), as vLLM reports them by default; temperature, top-k, top-p,
-min-p and penalties only shape the distribution that tokens are drawn from.
+Tokens are drawn as vLLM 0.32's sampler draws them, in its order: penalties (and the
+``min_tokens`` ban), temperature, min-p, top-k (ties with the k-th logit kept), top-p (a token
+stays while the mass strictly before it is below ``top_p``). Reported log-probabilities are of
+that *processed* distribution (``--logprobs-mode processed_logprobs``, the default: what an RL
+trainer's importance ratio needs, see ``docs/compat.md``) or of the model's raw one
+(``raw_logprobs``, vLLM's default).
 """
 
 from __future__ import annotations
@@ -185,12 +188,14 @@ def sample_next(
     top_ks = [rows[i].params.top_k for i in sampled]
     top_ps = [rows[i].params.top_p for i in sampled]
     min_ps = [rows[i].params.min_p for i in sampled]
-    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-        scores = _top_k_top_p(scores, top_ks, top_ps)
+    # vLLM's order: min-p (an argmax-invariant logits processor) before top-k and top-p; the
+    # order matters when top-p meets min-p (the nucleus is taken of what min-p left)
     if any(p > 0.0 for p in min_ps):
         probs = torch.softmax(scores, dim=-1)
         floor = torch.tensor(min_ps)[:, None] * probs.max(dim=-1, keepdim=True).values
         scores = scores.masked_fill(probs < floor, float("-inf"))
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        scores = _top_k_top_p(scores, top_ks, top_ps)
     chosen[index] = _inverse_cdf_sample(
         torch.softmax(scores, dim=-1), [rows[i].generator for i in sampled]
     )
@@ -237,16 +242,31 @@ def _apply_penalties(scores: torch.Tensor, row: RowState) -> None:
 
 
 def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    """Mask everything outside each row's top-k and top-p nucleus with -inf, as vLLM's
+    ``apply_top_k_top_p_pytorch``: top-k keeps every logit at least the k-th largest (ties
+    included); top-p then keeps, of what top-k left, each token whose mass strictly before it
+    (in descending order) is below ``top_p``, so the most likely token always stays."""
     vocab = scores.shape[-1]
-    ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks])
-    ranks = torch.arange(vocab)[None, :]
-    remove = ranks >= ks[:, None]
-    sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
+    if any(k < vocab for k in ks):
+        kth = scores.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks)[:, None] - 1)
+        off = torch.tensor([k >= vocab for k in ks])[:, None]
+        scores = scores.masked_fill((scores < kth) & ~off, float("-inf"))
+    if all(p >= 1.0 for p in top_ps):
+        return scores
+    # Only what top-k kept can stay: when every row has a top-k, rank those few candidates
+    # (ties included) instead of sorting the whole vocabulary.
+    width = vocab
+    if max(ks) < vocab:
+        width = int(torch.isfinite(scores).sum(dim=-1).max())
+    if width < vocab:
+        sorted_scores, order = scores.topk(width, dim=-1)
+    else:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
     ps = torch.tensor(top_ps, dtype=torch.float32)
     probs = torch.softmax(sorted_scores, dim=-1)
-    # A token stays if the mass strictly before it is below top_p, so the top token always stays.
     before = probs.cumsum(dim=-1) - probs
-    sorted_scores = sorted_scores.masked_fill(before >= ps[:, None], float("-inf"))
+    # rows without top-p (1.0) keep everything, even where the cumulative sum rounds to 1
+    cut = (before >= ps[:, None]) & (ps < 1.0)[:, None]
+    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)

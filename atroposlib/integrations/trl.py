@@ -475,6 +475,7 @@ class AtroposGRPOTrainer(GRPOTrainer):
             return output
         rows = self.atropos.last_rows
         self._check_temperatures(rows)
+        self._check_truncation(rows)
         width = output["completion_ids"].shape[1]
         device = output["advantages"].device
         per_token = any(len(set(r.advantages)) > 1 for r in rows)
@@ -579,6 +580,24 @@ class AtroposGRPOTrainer(GRPOTrainer):
                     "(1.0 when a group does not say) but GRPOConfig.temperature is "
                     f"{self.temperature}: TRL divides the policy's logits by that one "
                     "temperature, so set it to the environments' sampling temperature"
+                )
+
+    def _check_truncation(self, rows: Sequence[TrainingRow]) -> None:
+        """TRL scores completions with a log-softmax over the whole vocabulary (trl#6789), while
+        a server sampling with top-k/top-p/min-p reports log-probs of the truncated,
+        renormalised distribution: every ratio would carry the kept mass (0.8 at top_p 0.8), not
+        a policy change. Refused unless the ratio is not used (``importance_sampling="off"``)."""
+        if self.importance_sampling == "off":
+            return
+        for row in rows:
+            if row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0:
+                raise ValueError(
+                    f"group {row.group} was sampled with top_k={row.top_k}, "
+                    f"top_p={row.top_p}, min_p={row.min_p}: TRL's GRPOTrainer computes its "
+                    "log-probs over the whole vocabulary, so the importance ratio to the "
+                    "sampler's (truncated) log-probs would be scaled by the kept probability "
+                    "mass (trl#6789). Sample without truncation, or train with "
+                    "importance_sampling='off'"
                 )
 
     def _log_batch(self, rows: Sequence[TrainingRow]) -> None:

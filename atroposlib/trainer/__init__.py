@@ -7,7 +7,9 @@ One import gives what a trainer needs to consume environments through ``run-api`
   :class:`TrainingRow` (prompt and completion ids, loss mask, per-token advantages, sampler
   log-probs, temperature, policy version), validated, torch-free. The rules:
   :mod:`atroposlib.trainer.rows`.
-* :func:`pad_rows`, :func:`pack_rows`, :func:`token_logprobs`: rows as tensors (needs torch,
+* :func:`pad_rows`, :func:`pack_rows`, :func:`token_logprobs`: rows as tensors, and
+  :func:`sampled_logprobs`: log-probabilities of the distribution the sampler drew from
+  (temperature and top-k/top-p/min-p truncation), which importance ratios need (needs torch,
   the ``trainer`` extra; imported on first use).
 * :func:`weight_sync_client`, :func:`sync_weights`: new weights onto the running inference
   server the environments sample from (:mod:`atroposlib.backends`, re-exported here).
@@ -28,6 +30,7 @@ from atroposlib.trainer.rows import (
     rows_from_batch,
     rows_from_group,
     sample_temperature,
+    sample_truncation,
     validate_group,
 )
 
@@ -37,7 +40,9 @@ if TYPE_CHECKING:
         PaddedBatch,
         pack_rows,
         pad_rows,
+        sampled_logprobs,
         token_logprobs,
+        truncate_logits,
     )
 
 __all__ = [
@@ -53,13 +58,24 @@ __all__ = [
     "rows_from_batch",
     "rows_from_group",
     "sample_temperature",
+    "sample_truncation",
+    "sampled_logprobs",
     "sync_weights",
     "token_logprobs",
+    "truncate_logits",
     "validate_group",
     "weight_sync_client",
 ]
 
-_TORCH_NAMES = {"PackedBatch", "PaddedBatch", "pack_rows", "pad_rows", "token_logprobs"}
+_TORCH_NAMES = {
+    "PackedBatch",
+    "PaddedBatch",
+    "pack_rows",
+    "pad_rows",
+    "sampled_logprobs",
+    "token_logprobs",
+    "truncate_logits",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -34,6 +34,17 @@ Temperature
     ``overrides[i]["temperature"]``, else ``generation_params["temperature"]``, else
     ``group_overrides["temperature"]``, else 1.0.
 
+Truncated sampling
+    ``top_k``, ``top_p`` and ``min_p`` are read the same way (defaults -1, 1.0, 0.0: none).
+    When a server samples with them it draws from the truncated, renormalised distribution,
+    and with ``--logprobs-mode processed_logprobs`` (vLLM, TRL's vllm-serve, atropos-serve)
+    reports that distribution's log-probabilities. A trainer's importance ratio is only 1
+    without a weight change when its own log-probabilities are of the same distribution: it
+    applies the same truncation to its temperature-scaled logits
+    (:func:`atroposlib.trainer.tensors.sampled_logprobs`). Values out of range
+    (``top_p`` outside (0, 1], ``min_p`` outside [0, 1], ``top_k`` below -1) are a
+    :class:`MalformedGroupError` naming the field.
+
 Policy version
     ``policy_version`` is the trainer step whose weights generated the group (None when the env
     did not say; such a group counts as current).
@@ -61,6 +72,7 @@ __all__ = [
     "rows_from_batch",
     "rows_from_group",
     "sample_temperature",
+    "sample_truncation",
     "validate_group",
 ]
 
@@ -100,6 +112,12 @@ class TrainingRow:
     sampler_logprobs: list[float | None] | None = None
     """Log-probability the sampler gave each completion token (None where it reported none)."""
     temperature: float = 1.0
+    top_k: int = -1
+    """Top-k the sequence was sampled with (-1 or 0: none)."""
+    top_p: float = 1.0
+    """Top-p (nucleus) it was sampled with (1.0: none)."""
+    min_p: float = 0.0
+    """Min-p it was sampled with (0.0: none)."""
     policy_version: int | None = None
     group: int = 0
     """Index of the row's group in the batch."""
@@ -241,6 +259,50 @@ def sample_temperature(group: Mapping[str, Any] | ScoredData, index: int) -> flo
     return 1.0
 
 
+def _setting(data: ScoredData, index: int, name: str) -> tuple[Any, str] | None:
+    """``(value, where)`` of a per-sequence sampling setting (order: the module docstring)."""
+    overrides = data.overrides or []
+    for source, where in (
+        (overrides[index] if index < len(overrides) else None, f"overrides[{index}]"),
+        (data.generation_params, "generation_params"),
+        (data.group_overrides, "group_overrides"),
+    ):
+        if source and source.get(name) is not None:
+            return source[name], f"{where}.{name}"
+    return None
+
+
+def sample_truncation(
+    group: Mapping[str, Any] | ScoredData, index: int
+) -> tuple[int, float, float]:
+    """``(top_k, top_p, min_p)`` sequence ``index`` was sampled with (module docstring).
+
+    Raises:
+        MalformedGroupError: a value of the wrong type or out of range (the field is named).
+    """
+    data = group if isinstance(group, ScoredData) else validate_group(group)
+    top_k, top_p, min_p = -1, 1.0, 0.0
+    found = _setting(data, index, "top_k")
+    if found is not None:
+        value, where = found
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise MalformedGroupError(where, f"{where} must be an integer >= -1, got {value!r}")
+        top_k = value if value > 0 else -1
+    found = _setting(data, index, "top_p")
+    if found is not None:
+        value, where = found
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise MalformedGroupError(where, f"{where} must be in (0, 1], got {value!r}")
+        top_p = float(value)
+    found = _setting(data, index, "min_p")
+    if found is not None:
+        value, where = found
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise MalformedGroupError(where, f"{where} must be in [0, 1], got {value!r}")
+        min_p = float(value)
+    return top_k, top_p, min_p
+
+
 # ---------------------------------------------------------------------------------------- rows
 
 
@@ -289,6 +351,10 @@ def rows_from_group(
             source = "explicit"
         else:
             source = "scores"
+        try:
+            top_k, top_p, min_p = sample_truncation(data, i)
+        except MalformedGroupError as exc:
+            raise MalformedGroupError(exc.field, str(exc), index) from None
         rows.append(
             TrainingRow(
                 prompt_ids=list(tokens[:start]),
@@ -298,6 +364,9 @@ def rows_from_group(
                 score=float(data.scores[i]),
                 sampler_logprobs=sampler,
                 temperature=sample_temperature(data, i),
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
                 policy_version=data.policy_version,
                 group=index or 0,
                 index=i,

@@ -116,6 +116,20 @@ async def test_group_from_samples_is_a_valid_group_on_both_paths(env: Env) -> No
         group_from_samples(samples, [1, 0])
 
 
+async def test_groups_say_how_they_were_sampled(env: Env) -> None:
+    """The trainer replays temperature and truncation: groups carry them."""
+    samples = await sample_chat_group(env, MESSAGES, n=2, max_tokens=4, temperature=0.7, top_p=0.9)
+    assert all(s.generation_params == {"temperature": 0.7, "top_p": 0.9} for s in samples)
+    group = group_from_samples(samples, [1, 0])
+    assert group["generation_params"] == {"temperature": 0.7, "top_p": 0.9}
+    assert "overrides" not in group
+    check_group(ScoredData(**group))
+    other = type(samples[1])(**{**vars(samples[1]), "generation_params": {"temperature": 1.0}})
+    mixed = group_from_samples([samples[0], other], [1, 0])
+    assert "generation_params" not in mixed
+    assert mixed["overrides"] == [{"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.0}]
+
+
 async def test_retokenize_on_a_token_server(env: Env) -> None:
     samples = await sample_chat_group(
         env, MESSAGES, n=2, max_tokens=4, temperature=1.0, retokenize=True

@@ -117,6 +117,36 @@ def test_temperature_policy_version_env_id_and_flags() -> None:
     assert rows_from_group(_group())[0].policy_version is None
 
 
+def test_truncation_is_read_like_the_temperature() -> None:
+    group = _group(
+        overrides=[{"top_p": 0.5}, {}, {}],
+        generation_params={"top_k": 20, "top_p": 0.8, "min_p": 0.05},
+        group_overrides={"top_k": 3},
+    )
+    rows = rows_from_group(group)
+    assert [(r.top_k, r.top_p, r.min_p) for r in rows] == [(20, 0.5, 0.05)] + [(20, 0.8, 0.05)] * 2
+    (row, *_) = rows_from_group(_group(generation_params={"top_k": 0}))
+    assert (row.top_k, row.top_p, row.min_p) == (-1, 1.0, 0.0)  # 0 switches top-k off (vLLM)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"top_p": 0.0}, "generation_params.top_p"),
+        ({"top_p": 1.5}, "generation_params.top_p"),
+        ({"top_p": "0.8"}, "generation_params.top_p"),
+        ({"top_k": 2.5}, "generation_params.top_k"),
+        ({"top_k": -2}, "generation_params.top_k"),
+        ({"min_p": True}, "generation_params.min_p"),
+    ],
+)
+def test_bad_truncation_is_refused_naming_the_field(params, field) -> None:
+    with pytest.raises(MalformedGroupError) as info:
+        rows_from_batch([_group(), _group(generation_params=params)])
+    assert info.value.field == field and info.value.group == 1
+    assert str(info.value).startswith(f"group 1: {field} must be")
+
+
 def test_first_token_is_never_a_completion() -> None:
     """Nothing predicts a sequence's first token: a label there is not trained (the shift of
     every causal-LM trainer drops it), and the prompt is never empty."""
@@ -255,3 +285,39 @@ def test_packed_and_padded_layouts_give_the_model_s_log_probs(tiny_model_dir: Pa
                 pack_lp[r, start : start + n] * trained, pad_lp[i, :n] * trained, atol=1e-5
             )
             start += n
+
+
+def test_token_logprobs_replay_the_sampler_s_truncation(tiny_model_dir: Path) -> None:
+    """With top-k/top-p/min-p the log-probs are those of the truncated, renormalised,
+    temperature-scaled distribution (vLLM's processed_logprobs), computed here by hand."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.trainer import pad_rows, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    params = {"temperature": 0.7, "top_k": 40, "top_p": 0.6, "min_p": 0.01}
+    (row, *_) = rows = rows_from_group(_group(generation_params=params))
+    batch = pad_rows(rows)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits
+        got = token_logprobs(
+            logits, batch.input_ids, batch.temperatures, batch.top_k, batch.top_p, batch.min_p
+        )
+        scaled = logits[0, :-1] / 0.7
+        probs = scaled.softmax(-1)
+        keep = probs >= 0.01 * probs.max(-1, keepdim=True).values  # min-p
+        kth = scaled.masked_fill(~keep, float("-inf")).topk(40, -1).values[:, -1:]
+        keep &= scaled >= kth  # top-k
+        ordered = scaled.masked_fill(~keep, float("-inf")).sort(-1, descending=True)
+        mass = ordered.values.softmax(-1)
+        stays = (mass.cumsum(-1) - mass) < 0.6  # top-p: the mass before a token is below p
+        keep &= torch.zeros_like(keep).scatter(-1, ordered.indices, stays)
+        targets = batch.input_ids[0, 1:]
+        keep.scatter_(-1, targets[:, None], True)  # the sampled token is always in support
+        expected = scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)
+        expected = expected.gather(-1, targets[:, None]).squeeze(-1)
+        plain = token_logprobs(logits, batch.input_ids, batch.temperatures)
+    n = len(row.tokens)
+    assert torch.allclose(got[0, 1:n], expected[: n - 1], atol=1e-5)
+    assert bool((got[0, 1:n] > plain[0, 1:n]).all())  # renormalised over fewer tokens
