@@ -40,9 +40,10 @@ MAX_TOKENS = 64
 TEMPERATURE = 0.8
 SETTINGS = [
     pytest.param({"top_p": 0.8, "top_k": 20}, id="top_p=0.8+top_k=20"),
-    # each alone (top_p alone sorts the whole vocabulary at every step on both sides: slow)
-    pytest.param({"top_p": 0.8}, id="top_p=0.8", marks=pytest.mark.slow),
-    pytest.param({"top_k": 20}, id="top_k=20", marks=pytest.mark.slow),
+    # each alone (top_p alone sorts the whole vocabulary at every step on both sides: slow;
+    # nightly, as the combined setting above already exercises both cuts per commit)
+    pytest.param({"top_p": 0.8}, id="top_p=0.8", marks=[pytest.mark.slow, pytest.mark.nightly]),
+    pytest.param({"top_k": 20}, id="top_k=20", marks=[pytest.mark.slow, pytest.mark.nightly]),
 ]
 
 
@@ -157,6 +158,7 @@ def test_processed_logprobs_give_a_mean_ratio_of_one(processed_server, trainer_m
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the per-commit test already fails the wrong kind (a full-vocabulary trainer)
 def test_raw_logprobs_fail_the_same_check(raw_server, trainer_model):
     """vLLM's default kind: the model's own distribution, untempered and untruncated (slow: a
     second server; the fast test's full-vocabulary trainer is the other wrong kind)."""

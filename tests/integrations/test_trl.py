@@ -254,6 +254,7 @@ def test_group_of_the_wrong_size_is_refused(tmp_path: Path, tiny_model_dir: Path
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # ~4 min on 2 cores; the adapter's contract tests run per commit
 def test_quickstart_with_trl_raises_the_reward(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The same loop as tests/trainer/test_learning.py, with TRL as the trainer."""
     out = tmp_path / "run"
