@@ -89,7 +89,11 @@ def full_logprobs(
     rows = selected.nonzero(as_tuple=True)[0]
     cut = None if truncation is None else tuple(t.to(logits.device)[rows] for t in truncation)
     out[selected] = _scaled_logprobs(
-        logits[selected], labels[selected], temps[rows], stats, cut  # type: ignore[arg-type]
+        logits[selected],
+        labels[selected],
+        temps[rows],
+        stats,
+        cut,  # type: ignore[arg-type]
     )
     return out
 
