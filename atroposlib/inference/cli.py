@@ -58,7 +58,11 @@ class ServeSettings(BaseModel):
         description="Name(s) clients use in 'model' (first one is listed first). Default: --model.",
     )
     api_key: str | None = Field(
-        None, description="Require 'Authorization: Bearer KEY' (not on /health)."
+        None,
+        description="Require the key on every request but GET/HEAD /health ('Authorization: "
+        "Bearer KEY' or 'X-API-Key: KEY'; the rule run-api follows). Default: the "
+        "ATROPOS_API_KEY environment variable, the run's shared key (atropos-launch sets it "
+        "for every component); none when that is unset or empty.",
     )
     max_concurrency: int = Field(
         64,
@@ -148,6 +152,10 @@ def parse_settings(argv: list[str] | None = None) -> ServeSettings:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, load the model, and serve until interrupted."""
     args = parse_settings(argv)
+    if args.api_key is None:  # the run's shared key, as run-api reads it
+        from atroposlib.utils.api_key import resolve_api_key
+
+        args.api_key = resolve_api_key(None)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -207,6 +215,15 @@ def main(argv: list[str] | None = None) -> None:
         args.host,
         args.port,
     )
+    from atroposlib.utils.http_security import is_loopback
+
+    if not args.api_key and not is_loopback(args.host):
+        logging.getLogger("atroposlib.inference").warning(
+            "Binding %s without an API key: anyone who can reach this port can generate, "
+            "pause the server or swap its weights (/reload_weights). Set --api-key or "
+            "ATROPOS_API_KEY (clients send ATROPOS_API_KEY from their environment).",
+            args.host,
+        )
     state = ServerState(
         engine=engine,
         served_model_names=names,

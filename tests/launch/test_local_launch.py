@@ -303,3 +303,92 @@ def test_a_run_bound_beyond_loopback_gets_a_key_every_component_uses(
     assert summary["api"]["batches_served"] == pulled["batches"] >= 2
     key_lines = [line for line in out.splitlines() if "ATROPOS_API_KEY=" in line]
     assert not key_lines  # the key itself is never printed
+
+
+KEY_PROBE = Path(__file__).with_name("key_probe.py")
+TOKEN_ENV = ROOT / "tests" / "trainer" / "token_env.py"
+
+
+def test_inference_servers_of_a_run_bound_beyond_loopback_require_the_runs_key(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """bind_host 0.0.0.0 with an atropos-serve: the server requires the run's key on every
+    route but /health (generation, /pause, /reload_weights, /policy_version), and every
+    client of the run sends it: the environment's inference client, the trainer's weight-sync
+    client, the launcher's health checks. Nothing is refused but the probes sent without it."""
+    out = tmp_path / "out"
+    spec = {
+        "name": "keyed",
+        "output": str(out),
+        "bind_host": "0.0.0.0",
+        "inference": [
+            {
+                "name": "policy",
+                "model": str(tiny_model_dir),
+                "served_model_name": "policy",
+                "args": ["--dtype", "float32"],
+                "startup_timeout": 120,
+            }
+        ],
+        "environments": [
+            {
+                "file": str(TOKEN_ENV),
+                "env": {
+                    "group_size": 4,
+                    "batch_size": 8,
+                    "total_steps": 100,
+                    "max_token_length": 256,
+                    "max_answer_tokens": 8,
+                    "tokenizer_name": str(tiny_model_dir),
+                    "use_wandb": False,
+                    "steps_per_eval": 0,
+                },
+                "max_restarts": 0,
+            }
+        ],
+        "trainer": {"command": [sys.executable, str(KEY_PROBE), "{output}/probe.json", "2"]},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if k != "ATROPOS_API_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(path), "--status", "lines"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["no_key"] == {
+        "completions": 401,
+        "generate": 401,
+        "pause": 401,
+        "reload_weights": 401,
+        "policy_version": 401,
+        "wrong_key": 401,
+        "health": 200,
+    }
+    assert probe["with_key"] == 200 and probe["env_client_has_key"] is True
+    assert probe["policy_version"] == 0 and probe["batches"] == 2
+    serve_log = (out / "logs" / "policy.log").read_text()
+    # the six probes without a (right) key were the only requests refused
+    assert serve_log.count(" 401") == 6, serve_log[-3000:]
+    assert serve_log.count('"POST /generate HTTP/1.1" 200') >= 2  # the env generated with it
+    assert '"GET /policy_version HTTP/1.1" 200' in serve_log  # and read the version with it
+    assert "without an API key" not in serve_log
+
+
+def test_a_run_bound_beyond_loopback_with_an_empty_key_is_refused(tmp_path: Path):
+    spec = _spec(tmp_path, tmp_path, bind_host="0.0.0.0", api_key="")
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "api_key: empty, with bind_host 0.0.0.0" in result.stderr
