@@ -392,3 +392,16 @@ def test_a_run_bound_beyond_loopback_with_an_empty_key_is_refused(tmp_path: Path
     )
     assert result.returncode == 2
     assert "api_key: empty, with bind_host 0.0.0.0" in result.stderr
+
+
+def test_the_shipped_quickstart_keeps_its_queue_in_a_store_under_the_output(tmp_path: Path):
+    """quickstart-run.yaml gives run-api a --store in the run's output folder (durable across a
+    SIGKILL of the launcher): what the launcher would start says so."""
+    from atroposlib.launch.plan import plan_run, render
+    from atroposlib.launch.spec import load_run_spec
+
+    spec = load_run_spec(
+        ROOT / "example_trainer" / "configs" / "quickstart-run.yaml", {"output": str(tmp_path)}
+    )
+    env = render(plan_run(spec).api.env, {"output": str(tmp_path)})
+    assert env["ATROPOS_STORE"] == str(tmp_path / "run-api.sqlite3")
