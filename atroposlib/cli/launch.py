@@ -162,6 +162,23 @@ def run_launch(spec: Any, options: LaunchOptions, backend: Any = None) -> int:
     return code
 
 
+def _check_output(folder: Any) -> None:
+    """The output folder can be made and written to, else :class:`RunSpecError` naming it."""
+    import tempfile
+
+    from atroposlib.launch.spec import RunSpecError
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RunSpecError(
+            f"output: cannot write to {folder}: {exc.strerror or exc} (set output, or "
+            "--output, to a folder you can write)"
+        ) from None
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -176,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = {"output": options.output} if options.output else None
     try:
         spec = load_run_spec(namespace.run, overrides)
+        spec.resolved_api_key()  # api_key: ${VAR} with VAR unset is an error naming the field
+        if not options.dry_run:
+            _check_output(spec.output_dir)
         if options.dry_run:
             _print_plan(spec)
             if options.backend == "slurm":

@@ -405,3 +405,29 @@ def test_the_shipped_quickstart_keeps_its_queue_in_a_store_under_the_output(tmp_
     )
     env = render(plan_run(spec).api.env, {"output": str(tmp_path)})
     assert env["ATROPOS_STORE"] == str(tmp_path / "run-api.sqlite3")
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"api_key": "${ATROPOS_TEST_UNSET_KEY}"},
+         "api_key: environment variable ATROPOS_TEST_UNSET_KEY is not set"),
+        ({"output": "/proc/atropos-cannot-write"}, "output: cannot write to /proc/atropos-cannot-write"),
+    ],
+)  # fmt: skip
+def test_an_unset_key_variable_or_an_unwritable_output_is_a_one_line_error(
+    tmp_path: Path, over: dict, message: str
+):
+    spec = _spec(tmp_path, tmp_path, **over)
+    env = {k: v for k, v in os.environ.items() if k != "ATROPOS_TEST_UNSET_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec)],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
