@@ -309,6 +309,7 @@ KEY_PROBE = Path(__file__).with_name("key_probe.py")
 TOKEN_ENV = ROOT / "tests" / "trainer" / "token_env.py"
 
 
+@pytest.mark.slow  # ~45 s: run-api, atropos-serve, an env generating and a trainer
 def test_inference_servers_of_a_run_bound_beyond_loopback_require_the_runs_key(
     tmp_path: Path, tiny_model_dir: Path
 ):
