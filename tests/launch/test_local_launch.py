@@ -234,8 +234,9 @@ def test_dry_run_prints_every_command_without_starting_anything(tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["run-api", "policy", "arithmetic",
-                                                       "trainer"]  # fmt: skip
+    assert [line.split()[0] for line in lines[1:-1]] == ["run-api", "policy", "arithmetic",
+                                                         "trainer"]  # fmt: skip
+    assert lines[-1] == "settings: every environment's and the trainer's settings check out"
     assert "atroposlib.inference.cli --model SmolLM2-135M-Instruct" in result.stdout
     assert "environments/arithmetic_server.py serve --config" in result.stdout
     assert not (tmp_path / "q" / "logs").exists()
@@ -432,3 +433,68 @@ def test_an_unset_key_variable_or_an_unwritable_output_is_a_one_line_error(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _dry_run(spec: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("environment", "trainer", "message"),
+    [
+        ({"env": {"group_size": "abc"}}, None,
+         "environments: counting: env.group_size in the run description: Input should be a valid integer"),
+        ({"env": {"no_such_setting": 1}}, None,
+         "environments: counting: the run description: unknown key 'env.no_such_setting'"),
+        ({"args": ["--env.total_steps", "x"]}, None,
+         "environments: counting: --env.total_steps 'x': Input should be a valid integer"),
+        ({"args": ["--env.bogus", "1"]}, None, "environments: counting: unknown flag --env.bogus"),
+        ({"openai": {"timeout": "soon"}}, None,
+         "environments: counting: openai.timeout in the run description: Input should be a valid integer"),
+        ({}, {"config": {"model_name": "m", "lr": "fast"}},
+         "lr in trainer.config: Input should be a valid number"),
+        ({}, {"config": {"model_name": "m", "training_steps": 0}},
+         "training_steps in trainer.config: Input should be greater than or equal to 1"),
+        ({}, {"config": {"model_name": "m", "no_such_setting": 1}},
+         "unknown trainer setting(s) no_such_setting"),
+    ],
+    ids=["env-type", "env-unknown", "env-flag-value", "env-unknown-flag", "openai-type",
+         "trainer-type", "trainer-range", "trainer-unknown"],
+)  # fmt: skip
+def test_dry_run_catches_bad_env_and_trainer_settings(
+    tmp_path: Path, environment: dict, trainer: dict | None, message: str
+):
+    """As the real launch would resolve them, without starting anything: a one-line error
+    naming the spec field and the setting, exit status 2."""
+    spec = yaml.safe_load(_spec(tmp_path, tmp_path).read_text())
+    env = spec["environments"][0]
+    env["env"].update(environment.get("env", {}))
+    env["openai"] = environment.get("openai", {})
+    env["args"] = environment.get("args", [])
+    if trainer is not None:
+        spec["trainer"] = trainer
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _dry_run(path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("atropos-launch: ") and message in line, line
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_dry_run_passes_good_env_and_trainer_settings(tmp_path: Path):
+    spec = yaml.safe_load(_spec(tmp_path, tmp_path).read_text())
+    spec["environments"][0]["args"] = ["--env.group_size", "4"]
+    spec["trainer"] = {"config": {"model_name": "m", "lr": 1e-5, "training_steps": 2}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _dry_run(path)
+    assert result.returncode == 0, result.stderr
+    assert "settings: every environment's and the trainer's settings check out" in result.stdout
