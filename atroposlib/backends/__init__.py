@@ -37,6 +37,7 @@ from atroposlib.backends.registry import (
 )
 from atroposlib.backends.vllm_plugins import PLUGIN_DIR
 from atroposlib.backends.weight_sync import (
+    API_KEY_MIDDLEWARE,
     POLICY_VERSION_ENV,
     POLICY_VERSION_MIDDLEWARE,
     AtroposServeReload,
@@ -47,6 +48,7 @@ from atroposlib.backends.weight_sync import (
     VLLMReload,
     VLLMRestart,
     WeightSync,
+    auth_headers,
     plugin_env,
     server_policy_version,
     vllm_command,
@@ -60,6 +62,7 @@ from atroposlib.backends.weight_transfer import (
 from atroposlib.utils.processes import ChildProcess
 
 __all__ = [
+    "API_KEY_MIDDLEWARE",
     "BACKENDS",
     "PLUGIN_DIR",
     "POLICY_VERSION_ENV",
@@ -82,6 +85,7 @@ __all__ = [
     "WeightPath",
     "WeightSync",
     "WeightSyncUnsupported",
+    "auth_headers",
     "get_backend",
     "gives_token_ids",
     "plugin_env",

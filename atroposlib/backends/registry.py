@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from atroposlib.backends.weight_sync import (
+    API_KEY_MIDDLEWARE,
     POLICY_VERSION_ENV,
     POLICY_VERSION_MIDDLEWARE,
     AtroposServeReload,
@@ -94,6 +95,12 @@ class Backend:
     """Whether ``atropos-launch`` can start it (``inference.kind``)."""
     measured: ClassVar[str] = ""
     """What has been measured on real hardware and what has not."""
+    api_key_env: ClassVar[tuple[str, ...]] = ()
+    """Environment variables, besides ``ATROPOS_API_KEY``, through which ``atropos-launch``
+    gives a server the run's key (e.g. ``VLLM_API_KEY``)."""
+    api_key_flag: ClassVar[str] = ""
+    """The flag through which ``atropos-launch`` gives a server the run's key (SGLang's
+    ``--api-key``); empty: none needed."""
 
     # ---------------------------------------------------------------- starting it
 
@@ -245,6 +252,9 @@ class VLLMBackend(Backend):
         "tested against a stand-in over gloo, not measured on a GPU"
     )
     module = "vllm.entrypoints.openai.api_server"
+    # vLLM's own check (VLLM_API_KEY = --api-key) guards only /v1, /v2, /inference and
+    # /cohere; API_KEY_MIDDLEWARE (in the command) puts $ATROPOS_API_KEY on every other route
+    api_key_env = ("VLLM_API_KEY",)
 
     def command(
         self,
@@ -259,7 +269,7 @@ class VLLMBackend(Backend):
     ) -> list[str]:
         argv = [python, "-m", self.module, "--model", model,
                 "--served-model-name", served_model_name, "--host", host, "--port", str(port),
-                "--middleware", POLICY_VERSION_MIDDLEWARE,
+                "--middleware", POLICY_VERSION_MIDDLEWARE, "--middleware", API_KEY_MIDDLEWARE,
                 "--logprobs-mode", "processed_logprobs"]  # fmt: skip
         if weight_path == "nccl":
             argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
@@ -310,7 +320,8 @@ class TrlVllmServeBackend(VLLMBackend):
         # and passes flags it does not know on to `vllm serve`
         return [python, "-m", "trl.scripts.vllm_serve", "--model", model, "--host", host,
                 "--port", str(port), "--served-model-name", served_model_name,
-                "--middleware", POLICY_VERSION_MIDDLEWARE, *extra_args]  # fmt: skip
+                "--middleware", POLICY_VERSION_MIDDLEWARE, "--middleware", API_KEY_MIDDLEWARE,
+                *extra_args]  # fmt: skip
 
     def launch_env(
         self, *, weight_path: str | None = None, base: Mapping[str, str] | None = None
@@ -331,6 +342,7 @@ class SGLangBackend(Backend):
     policy_version = None
     weight_paths = ("reload",)
     measured = "protocol tested against a stand-in; SGLang itself not run here (no CPU build)"
+    api_key_flag = "--api-key"  # SGLang checks it on every route but /health* and /metrics
 
     def command(
         self,

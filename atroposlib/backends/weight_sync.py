@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from atroposlib.backends.vllm_plugins import PLUGIN_DIR
+from atroposlib.utils.api_key import api_key_headers, resolve_api_key
 from atroposlib.utils.processes import ChildProcess, ProcessLaunchError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "POLICY_VERSION_ENV",
     "POLICY_VERSION_MIDDLEWARE",
+    "API_KEY_MIDDLEWARE",
     "AtroposServeReload",
     "InferenceLaunchError",
     "MultiServerSync",
@@ -59,6 +61,7 @@ __all__ = [
     "VLLMReload",
     "VLLMRestart",
     "WeightSync",
+    "auth_headers",
     "plugin_env",
     "server_policy_version",
     "vllm_command",
@@ -70,6 +73,11 @@ InferenceLaunchError = ProcessLaunchError
 
 POLICY_VERSION_MIDDLEWARE = "atropos_policy_version.PolicyVersionMiddleware"
 """``--middleware`` value that gives vLLM ``GET /policy_version``."""
+API_KEY_MIDDLEWARE = "atropos_api_key.ApiKeyMiddleware"
+"""``--middleware`` value that makes vLLM require ``$ATROPOS_API_KEY`` on every route but
+``/health`` (vLLM's own ``--api-key`` / ``VLLM_API_KEY`` guards only ``/v1``, ``/v2``,
+``/inference`` and ``/cohere``: its dev-mode routes, ``/collective_rpc`` included, stay open);
+it passes everything through when that variable is unset."""
 POLICY_VERSION_ENV = "ATROPOS_POLICY_VERSION"
 """Environment variable the middleware reports until vLLM's engine holds a version."""
 SHARED_STORAGE_HINT = (
@@ -87,6 +95,15 @@ class WeightSync:
     """Whether the server keeps running after the trainer exits (worth a final sync)."""
     policy_version: int | None = None
     """The version the server serves after the last ``start``/``sync`` (None: not told)."""
+    api_key: str | None = None
+    """The key sent to the server (``Authorization: Bearer``); None: the run's shared key,
+    ``ATROPOS_API_KEY`` (atropos-launch starts its servers with it), read at each request;
+    ``""``: none."""
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that carry :attr:`api_key` (empty without a key)."""
+        return auth_headers(self.api_key)
 
     def start(self, model: str | None = None, policy_version: int | None = None) -> None:
         """Bring the inference side up serving ``model`` (a folder or model id) as
@@ -164,6 +181,12 @@ def plugin_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(PLUGIN_DIR), current) if p)}
 
 
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """Headers that carry ``api_key`` to an inference server (None: ``ATROPOS_API_KEY``, the
+    run's shared key; ``""`` or unset: none)."""
+    return api_key_headers(resolve_api_key(api_key))
+
+
 def _request(
     method: str,
     url: str,
@@ -171,13 +194,22 @@ def _request(
     *,
     timeout: float,
     ok: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+    api_key: str | None = None,
     **kwargs: Any,
 ) -> httpx.Response:
-    """One HTTP call to an inference server; ``InferenceLaunchError`` when it fails."""
+    """One HTTP call to an inference server, with the key (``api_key``, else the run's);
+    ``InferenceLaunchError`` when it fails (a 401 says which key to set)."""
     try:
-        response = httpx.request(method, url, timeout=timeout, **kwargs)
+        response = httpx.request(
+            method, url, timeout=timeout, headers=auth_headers(api_key), **kwargs
+        )
     except httpx.TransportError as exc:
         raise InferenceLaunchError(f"{what}: {url} unreachable: {exc}") from exc
+    if response.status_code == 401 and not ok(response):
+        raise InferenceLaunchError(
+            f"{what}: HTTP 401 from {url}: the server wants an API key; give the client "
+            "api_key=..., or set ATROPOS_API_KEY to the key the server was started with"
+        )
     if not ok(response):
         raise InferenceLaunchError(
             f"{what}: HTTP {response.status_code} from {url}: {response.text[:500]}"
@@ -206,11 +238,15 @@ def _wait_healthy(url: str, timeout: float, hint: str) -> None:
         time.sleep(0.5)
 
 
-def server_policy_version(url: str, timeout: float = 10.0) -> int | None:
+def server_policy_version(
+    url: str, timeout: float = 10.0, api_key: str | None = None
+) -> int | None:
     """The version a server reports at ``GET {url}/policy_version``, or None when it has no
-    such route or does not answer."""
+    such route or does not answer (``api_key``: as :func:`auth_headers`)."""
     try:
-        reply = httpx.get(url.rstrip("/") + "/policy_version", timeout=timeout)
+        reply = httpx.get(
+            url.rstrip("/") + "/policy_version", timeout=timeout, headers=auth_headers(api_key)
+        )
     except httpx.HTTPError:
         return None
     value = _json(reply).get("policy_version") if reply.status_code == 200 else None
@@ -255,6 +291,7 @@ class VLLMRestart(WeightSync):
         served_model_name: str | None = None,
         env: Mapping[str, str] | None = None,
         policy_version_endpoint: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if build_command is None and type(self) is VLLMRestart:
             raise ValueError(
@@ -268,6 +305,7 @@ class VLLMRestart(WeightSync):
         self.served_model_name = served_model_name
         self.env = dict(env or {})
         self.policy_version_endpoint = policy_version_endpoint
+        self.api_key = api_key
         self.process: ChildProcess | None = None
         self.launches = 0
         self.policy_version = None
@@ -317,7 +355,9 @@ class VLLMRestart(WeightSync):
         if self.served_model_name is None:
             return
         try:
-            models = httpx.get(self.url + "/v1/models", timeout=10).json()
+            models = httpx.get(
+                self.url + "/v1/models", timeout=10, headers=self.auth_headers
+            ).json()
             names = [entry.get("id") for entry in models.get("data", [])]
         except (httpx.HTTPError, ValueError) as exc:
             raise InferenceLaunchError(f"vLLM /v1/models did not answer: {exc}") from exc
@@ -395,6 +435,7 @@ class VLLMReload(VLLMRestart):
         policy_version_endpoint: bool = True,
         request_timeout: float = 600.0,
         fallback_to_restart: bool = True,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(
             build_command,
@@ -404,6 +445,7 @@ class VLLMReload(VLLMRestart):
             served_model_name=served_model_name,
             env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
             policy_version_endpoint=policy_version_endpoint,
+            api_key=api_key,
         )
         self.request_timeout = request_timeout
         self.fallback_to_restart = fallback_to_restart and build_command is not None
@@ -459,7 +501,7 @@ class VLLMReload(VLLMRestart):
         run)."""
         if policy_version is None:
             return
-        served = server_policy_version(self.url)
+        served = server_policy_version(self.url, api_key=self.api_key)
         if served == policy_version:
             return
         if _is_checkpoint(model):
@@ -483,7 +525,7 @@ class VLLMReload(VLLMRestart):
 
     def _check_dev_mode(self) -> None:
         try:
-            reply = httpx.get(self.url + "/is_paused", timeout=10)
+            reply = httpx.get(self.url + "/is_paused", timeout=10, headers=self.auth_headers)
         except httpx.HTTPError as exc:
             raise InferenceLaunchError(f"vLLM at {self.url}: GET /is_paused: {exc}") from exc
         if reply.status_code != 200:
@@ -494,7 +536,14 @@ class VLLMReload(VLLMRestart):
             )
 
     def _post(self, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        return _request("POST", self.url + path, what, timeout=self.request_timeout, **kwargs)
+        return _request(
+            "POST",
+            self.url + path,
+            what,
+            timeout=self.request_timeout,
+            api_key=self.api_key,
+            **kwargs,
+        )
 
     def pause(self, mode: str = "abort") -> None:
         """``POST /pause?mode=MODE``: nothing generates until :meth:`resume`."""
@@ -517,7 +566,10 @@ class VLLMReload(VLLMRestart):
         try:
             config = json.loads((checkpoint / "config.json").read_text())
             info = httpx.get(
-                self.url + "/server_info", params={"config_format": "json"}, timeout=10
+                self.url + "/server_info",
+                params={"config_format": "json"},
+                timeout=10,
+                headers=self.auth_headers,
             )
             device = info.json()["vllm_config"]["device_config"]["device"]
         except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
@@ -614,9 +666,15 @@ class _RunningServerReload(WeightSync):
     reports_policy_version = False
 
     def __init__(
-        self, url: str, *, timeout: float | None = None, startup_timeout: float = 60.0
+        self,
+        url: str,
+        *,
+        timeout: float | None = None,
+        startup_timeout: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.api_key = api_key
         self.timeout = self.default_timeout if timeout is None else timeout
         self.startup_timeout = startup_timeout
         self.last_reply: dict | None = None
@@ -629,7 +687,7 @@ class _RunningServerReload(WeightSync):
         self.policy_version = policy_version
         if policy_version is None or not self.reports_policy_version:
             return
-        served = server_policy_version(self.url)
+        served = server_policy_version(self.url, api_key=self.api_key)
         if served is not None and served != policy_version and _is_checkpoint(model):
             logger.info(
                 "%s serves policy version %d; loading %s (version %d)",
@@ -662,6 +720,7 @@ class AtroposServeReload(_RunningServerReload):
             self.url + "/reload_weights",
             f"atropos-serve reload of {checkpoint}",
             timeout=self.timeout,
+            api_key=self.api_key,
             json=body,
         )
         self.last_reply = response.json()
@@ -675,12 +734,19 @@ class AtroposServeReload(_RunningServerReload):
             self.url + "/pause",
             "atropos-serve pause",
             timeout=self.timeout,
+            api_key=self.api_key,
             params={"mode": mode},
         )
 
     def resume(self) -> None:
         """``POST /resume``."""
-        _request("POST", self.url + "/resume", "atropos-serve resume", timeout=self.timeout)
+        _request(
+            "POST",
+            self.url + "/resume",
+            "atropos-serve resume",
+            timeout=self.timeout,
+            api_key=self.api_key,
+        )
 
 
 class SGLangReload(_RunningServerReload):
@@ -708,6 +774,7 @@ class SGLangReload(_RunningServerReload):
             f"SGLang update_weights_from_disk of {checkpoint}",
             timeout=self.timeout,
             ok=lambda r: r.status_code < 500,
+            api_key=self.api_key,
             json=body,
         )
         reply = _json(response)

@@ -167,6 +167,7 @@ class VLLMWeightTransfer(VLLMReload):
         policy_version_endpoint: bool = True,
         request_timeout: float = 600.0,
         fallback_to_restart: bool = True,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(
             build_command,
@@ -178,6 +179,7 @@ class VLLMWeightTransfer(VLLMReload):
             policy_version_endpoint=policy_version_endpoint,
             request_timeout=request_timeout,
             fallback_to_restart=fallback_to_restart,
+            api_key=api_key,
         )
         self.fallback_to_reload = fallback_to_restart
         """Whether a failed transfer (or a group that cannot open) falls back to reloading the
@@ -224,7 +226,9 @@ class VLLMWeightTransfer(VLLMReload):
             logger.warning("no weight transfer group (%s): syncs reload from checkpoints", exc)
 
     def _catch_up(self, model: str | None, policy_version: int | None) -> None:
-        if policy_version is None or server_policy_version(self.url) == policy_version:
+        if policy_version is None:
+            return
+        if server_policy_version(self.url, api_key=self.api_key) == policy_version:
             return
         if self.model is not None and self.connected:
             self.transfer(policy_version)
@@ -267,7 +271,9 @@ class VLLMWeightTransfer(VLLMReload):
         )
 
     def _get(self, path: str, what: str) -> httpx.Response:
-        return _request("GET", self.url + path, what, timeout=self.request_timeout)
+        return _request(
+            "GET", self.url + path, what, timeout=self.request_timeout, api_key=self.api_key
+        )
 
     def _tensors(self) -> list[tuple[str, Any]]:
         import torch

@@ -38,7 +38,10 @@ class LaunchOptions(BaseModel):
     dry_run: bool = Field(
         False,
         description="Check the run description and print each component's command (and, for "
-        "slurm, the batch script) without starting anything.",
+        "slurm, the batch script) without starting anything. Every environment's settings "
+        "(env, openai, args) are resolved by importing its file as the launch would, and the "
+        "GRPO trainer's config is built into its TrainingConfig; a bad or unknown setting is "
+        "a one-line error naming it (exit 2).",
     )
     status: Literal["auto", "live", "lines", "off"] = Field(
         "auto",
@@ -162,6 +165,33 @@ def run_launch(spec: Any, options: LaunchOptions, backend: Any = None) -> int:
     return code
 
 
+def _check_settings(spec: Any, local: bool) -> None:
+    """Every environment's and the GRPO trainer's settings, resolved as the real launch
+    resolves them (:mod:`atroposlib.launch.check`); a problem is a :class:`RunSpecError`."""
+    from atroposlib.launch.check import check_settings
+    from atroposlib.launch.plan import plan_run
+
+    check_settings(plan_run(spec), local=local)
+    print("settings: every environment's and the trainer's settings check out")
+
+
+def _check_output(folder: Any) -> None:
+    """The output folder can be made and written to, else :class:`RunSpecError` naming it."""
+    import tempfile
+
+    from atroposlib.launch.spec import RunSpecError
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RunSpecError(
+            f"output: cannot write to {folder}: {exc.strerror or exc} (set output, or "
+            "--output, to a folder you can write)"
+        ) from None
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -176,8 +206,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = {"output": options.output} if options.output else None
     try:
         spec = load_run_spec(namespace.run, overrides)
+        spec.resolved_api_key()  # api_key: ${VAR} with VAR unset is an error naming the field
+        if not options.dry_run:
+            _check_output(spec.output_dir)
         if options.dry_run:
             _print_plan(spec)
+            _check_settings(spec, local=options.backend == "local")
             if options.backend == "slurm":
                 from atroposlib.launch.slurm import batch_script
 

@@ -58,7 +58,11 @@ class ServeSettings(BaseModel):
         description="Name(s) clients use in 'model' (first one is listed first). Default: --model.",
     )
     api_key: str | None = Field(
-        None, description="Require 'Authorization: Bearer KEY' (not on /health)."
+        None,
+        description="Require the key on every request but GET/HEAD /health ('Authorization: "
+        "Bearer KEY' or 'X-API-Key: KEY'; the rule run-api follows). Default: the "
+        "ATROPOS_API_KEY environment variable, the run's shared key (atropos-launch sets it "
+        "for every component); none when that is unset or empty.",
     )
     max_concurrency: int = Field(
         64,
@@ -73,6 +77,16 @@ class ServeSettings(BaseModel):
         description="Largest request body accepted (accepts 64K, 16M, 1G, ...); larger bodies "
         "get 413. Text prompts too long for the context are refused (400) before they are "
         "tokenized.",
+    )
+    max_cache_memory: str = Field(
+        "auto",
+        description="Most memory the key/value cache of the requests generating together may "
+        "take (accepts 512M, 4G, ...). A request is admitted only while the cache of "
+        "everything admitted, counted at each sequence's prompt + max_tokens and x2 for the "
+        "copy made while the cache grows, stays under it; others wait in the queue, and one "
+        "that could never fit alone is refused with a 400 (code memory_budget_exceeded). "
+        "auto: half the memory available once the model is loaded (CPU: MemAvailable; GPU: "
+        "free device memory).",
     )
     max_model_len: int | None = Field(
         None, description="Context length (prompt + completion); default: the model's."
@@ -124,6 +138,38 @@ class ServeSettings(BaseModel):
     def _size(cls, value: Any) -> int:
         return _size(value)
 
+    @field_validator("max_cache_memory", mode="before")
+    @classmethod
+    def _cache_size(cls, value: Any) -> str:
+        text = str(value).strip()
+        if text.lower() != "auto":
+            _size(text)
+        return text.lower() if text.lower() == "auto" else text
+
+
+def available_memory(device: Any) -> int:
+    """Bytes free for the cache now: free device memory on a GPU, else the system's
+    MemAvailable (``/proc/meminfo``; free physical pages where there is none)."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_budget(setting: str, device: Any) -> int:
+    """``--max-cache-memory`` in bytes (auto: half of :func:`available_memory`)."""
+    if setting == "auto":
+        return available_memory(device) // 2
+    return _size(setting)
+
 
 FLAGS = ModelFlags(ServeSettings, defaults={"max_request_bytes": "16M"})
 
@@ -149,6 +195,10 @@ def parse_settings(argv: list[str] | None = None) -> ServeSettings:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, load the model, and serve until interrupted."""
     args = parse_settings(argv)
+    if args.api_key is None:  # the run's shared key, as run-api reads it
+        from atroposlib.utils.api_key import resolve_api_key
+
+        args.api_key = resolve_api_key(None)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -187,11 +237,18 @@ def main(argv: list[str] | None = None) -> None:
         compile=args.compile,
         threads=threads,
         logprobs_mode=args.logprobs_mode,
+        cache_memory=cache_budget(args.max_cache_memory, next(loaded.model.parameters()).device),
     )
     if args.compile:
         logging.getLogger("atroposlib.inference").info(
             "compiling the decode step (--compile): the first start takes a few minutes"
         )
+    logging.getLogger("atroposlib.inference").info(
+        "key/value cache budget %.0f MiB (%d bytes per token; --max-cache-memory %s)",
+        engine.cache_memory / (1 << 20),
+        engine.kv_bytes_per_token,
+        args.max_cache_memory,
+    )
     warm = engine.warmup()
     engine.start()
     names = args.served_model_name or [args.model]
@@ -208,6 +265,15 @@ def main(argv: list[str] | None = None) -> None:
         args.host,
         args.port,
     )
+    from atroposlib.utils.http_security import is_loopback
+
+    if not args.api_key and not is_loopback(args.host):
+        logging.getLogger("atroposlib.inference").warning(
+            "Binding %s without an API key: anyone who can reach this port can generate, "
+            "pause the server or swap its weights (/reload_weights). Set --api-key or "
+            "ATROPOS_API_KEY (clients send ATROPOS_API_KEY from their environment).",
+            args.host,
+        )
     state = ServerState(
         engine=engine,
         served_model_names=names,

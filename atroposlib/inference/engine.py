@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from atroposlib.inference import fastpath
+from atroposlib.inference.fastpath.attention import HEADROOM
 from atroposlib.inference.sampling import (
     LOGPROBS_MODES,
     InvalidParamError,
@@ -54,6 +55,16 @@ class EngineError(Exception):
 
 class QueueFullError(EngineError):
     """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class MemoryBudgetError(ValueError):
+    """A request whose key/value cache could never fit the memory budget, even alone."""
+
+    code = "memory_budget_exceeded"
+
+    def __init__(self, message: str, param: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineUnavailableError(EngineError):
@@ -199,6 +210,17 @@ class _Sequence:
         return self.out.finish_reason is not None
 
 
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes of key/value cache per token per sequence: keys and values of every layer."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
 def release_model(model: PreTrainedModel) -> None:
     """Drop what :meth:`GenerationEngine.prepare_model` added to ``model`` (packed and fused
     weight copies) and the reference cycles it made, so a replaced model is freed as soon as
@@ -251,6 +273,7 @@ class GenerationEngine:
         lean_decode: bool = True,
         threads: int | None = None,
         logprobs_mode: str = "processed_logprobs",
+        cache_memory: int | None = None,
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
@@ -284,6 +307,11 @@ class GenerationEngine:
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.weights_version = 0
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
+        """Bytes of key/value cache one token of one sequence holds (all layers)."""
+        self.cache_memory = cache_memory
+        """Bytes the key/value cache of everything admitted may take (None: no limit); see
+        :meth:`cache_bytes`."""
 
         self._cond = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
@@ -309,7 +337,9 @@ class GenerationEngine:
             "requests": 0,
             "steps": 0,
             "shared_prefix_tokens_saved": 0,
+            "memory_waits": 0,
         }
+        self._memory_blocked: RequestHandle | None = None
 
     @staticmethod
     def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -468,6 +498,17 @@ class GenerationEngine:
         with self._cond:
             return {"running": len(self._running), "waiting": len(self._waiting)}
 
+    def cache_bytes(self, rows: int, tokens: int) -> int:
+        """Most bytes the key/value cache of ``rows`` sequences of up to ``tokens`` tokens each
+        can hold: the batch is one left-padded tensor per layer, as wide as its longest row,
+        grown with :data:`~atroposlib.inference.fastpath.attention.HEADROOM` spare positions,
+        and briefly held twice while it grows or takes new rows (a copy is made)."""
+        return 2 * rows * (tokens + HEADROOM) * self.kv_bytes_per_token
+
+    @staticmethod
+    def _reserved(handle: RequestHandle) -> int:
+        return len(handle.prompt_ids) + handle.params.max_tokens
+
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, stream: bool = False
     ) -> RequestHandle:
@@ -492,6 +533,19 @@ class GenerationEngine:
                 f"{params.max_tokens} in the completion). Please reduce the length of the "
                 "messages or completion."
             )
+        if self.cache_memory is not None:
+            need = self.cache_bytes(params.n, total)
+            if need > self.cache_memory:
+                mib = 1 << 20
+                raise MemoryBudgetError(
+                    f"this request needs up to {need / mib:.1f} MiB of key/value cache (n="
+                    f"{params.n} samples x {total} tokens, prompt + max_tokens, x "
+                    f"{self.kv_bytes_per_token} bytes per token, x2 while the cache grows), "
+                    f"more than the server's whole budget of {self.cache_memory / mib:.1f} "
+                    "MiB (atropos-serve --max-cache-memory): ask for fewer samples (n) or "
+                    "fewer max_tokens, or raise the budget",
+                    param="n" if params.n > 1 else "max_tokens",
+                )
         handle = RequestHandle(self, prompt_ids, params, stream, asyncio.get_running_loop())
         with self._cond:
             if not self.healthy:
@@ -621,6 +675,9 @@ class GenerationEngine:
         admitted: list[RequestHandle] = []
         free = self.max_batch - len(self._running)
         budget = self.prefill_token_budget
+        # the cache budget: rows and the widest reservation (prompt + max_tokens) so far
+        rows = len(self._running)
+        width = max((self._reserved(s.handle) for s in self._running), default=0)
         while self._waiting:
             head = self._waiting[0]
             if head.aborted:
@@ -630,6 +687,15 @@ class GenerationEngine:
                 break
             if admitted and len(head.prompt_ids) > budget:
                 break
+            if self.cache_memory is not None:
+                new_rows = rows + head.params.n
+                new_width = max(width, self._reserved(head))
+                if self.cache_bytes(new_rows, new_width) > self.cache_memory:
+                    if self._memory_blocked is not head:  # counted once per request
+                        self._memory_blocked = head
+                        self.stats["memory_waits"] += 1
+                    break  # it waits (FIFO) until running rows finish and free their cache
+                rows, width = new_rows, new_width
             admitted.append(self._waiting.popleft())
             free -= head.params.n
             budget -= len(head.prompt_ids)

@@ -50,7 +50,8 @@ VLLM_ONLY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "guided_choice": _unset,
     "guided_grammar": _unset,
 }
-#: More of them that only chat requests have.
+#: More of them that only chat requests have, with the OpenAI chat fields that change the
+#: output (vLLM ignores the last four; a client sending them expects what they ask for).
 VLLM_CHAT_ONLY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "echo": _unset,
     "documents": _unset,
@@ -59,7 +60,41 @@ VLLM_CHAT_ONLY_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "media_io_kwargs": _unset,
     "reasoning_effort": lambda v: v is None,
     "return_prompt_text": _unset,
+    # Only a reasoning parser (which atropos-serve does not have) drops the reasoning.
+    "include_reasoning": lambda v: v in (None, True),
+    # Without tools: "none" and "auto" both mean plain text; "required" or a named function
+    # would force a tool call.
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "verbosity": lambda v: v is None,
+    "web_search_options": _unset,
+    "audio": _unset,
+    "modalities": lambda v: v in (None, [], ["text"]),
 }
+
+#: Request fields accepted and ignored because they do not change what is generated: labels,
+#: billing/storage options of OpenAI, and vLLM options of other endpoints or of features that
+#: are refused when asked for (``truncation_side`` only acts with ``truncate_prompt_tokens``,
+#: ``parallel_tool_calls`` only with ``tools``). ``stream_interval`` only groups tokens into
+#: fewer chunks. Listed for the documentation (docs/compat.md) and the tests; any other
+#: unknown field is ignored too (as vLLM does), so this list is what was checked.
+IGNORED_FIELDS: tuple[str, ...] = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prediction",
+    "prompt_cache_key",
+    "safety_identifier",
+    "request_id",
+    "session_id",
+    "cache_salt",
+    "parallel_tool_calls",
+    "truncation_side",
+    "stream_interval",
+    "return_token_offsets",
+    "return_mm_kwargs",
+)
 
 
 class UnsupportedFieldError(ValueError):
@@ -71,7 +106,10 @@ class UnsupportedFieldError(ValueError):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` of OpenAI: whether the last chunk carries ``usage``."""
+    """``stream_options`` of OpenAI: whether the last chunk carries ``usage``. vLLM's
+    ``continuous_usage_stats`` (usage in every chunk) is refused."""
+
+    model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
 
@@ -127,8 +165,15 @@ class _SamplingRequest(BaseModel):
         for name, is_default in self.vllm_only.items():
             if name in extra and not is_default(extra[name]):
                 raise UnsupportedFieldError(
-                    name, f"'{name}' (a vLLM extra) is not supported by atropos-serve"
+                    name,
+                    f"'{name}' with the value {extra[name]!r} is not supported by atropos-serve",
                 )
+        stream_extra = (self.stream_options.model_extra or {}) if self.stream_options else {}
+        if stream_extra.get("continuous_usage_stats"):
+            name = "stream_options.continuous_usage_stats"
+            raise UnsupportedFieldError(
+                name, f"'{name}' (usage in every chunk) is not supported by atropos-serve"
+            )
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -156,6 +201,13 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+
+#: Arguments of ``apply_chat_template`` the server sets from the request itself.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask"}
+)  # fmt: skip
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -191,6 +243,21 @@ class ChatCompletionRequest(_SamplingRequest):
         if extra.get("tool_choice") == "none":
             extra.pop("tools", None)
         super().check_unsupported()
+        for key in self.chat_template_kwargs or {}:
+            if key in _TEMPLATE_ARGUMENTS:
+                name = f"chat_template_kwargs.{key}"
+                raise UnsupportedFieldError(
+                    name, f"'{name}' would override the request's own '{key}'; set that instead"
+                )
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):  # vLLM refuses the pair; left at its default, add_generation_prompt yields
+            raise UnsupportedFieldError(
+                "continue_final_message",
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+            )
 
 
 class CompletionRequest(_SamplingRequest):

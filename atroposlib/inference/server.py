@@ -48,6 +48,7 @@ from atroposlib.inference.engine import (
     EngineError,
     EngineUnavailableError,
     GenerationEngine,
+    MemoryBudgetError,
     QueueFullError,
     RequestHandle,
     SampleOutput,
@@ -731,6 +732,8 @@ def _submit(
         raise APIError(503, str(exc)) from exc
     except InvalidParamError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+    except MemoryBudgetError as exc:
+        raise APIError(400, str(exc), code=exc.code, param=exc.param) from exc
     except ValueError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
         raise APIError(400, str(exc), code=code) from exc

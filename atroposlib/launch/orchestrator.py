@@ -152,7 +152,8 @@ class Run:
             if not st.component.health_path:
                 st.state = "running"
         began = time.monotonic()
-        with httpx.Client(timeout=2.0) as client:
+        # /health is open on every server the launcher starts; the key goes along regardless
+        with httpx.Client(timeout=2.0, headers=self.headers()) as client:
             while pending:
                 for name, st in list(pending.items()):
                     assert st.handle is not None

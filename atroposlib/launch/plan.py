@@ -80,6 +80,14 @@ class Component(BaseModel):
         "", description="Inference backend it runs or points at (atroposlib.backends)."
     )
     synced: bool = Field(False, description="Whether the trainer syncs its weights (inference).")
+    api_key_env: list[str] = Field(
+        default_factory=list,
+        description="Environment variables that get the run's key at start, besides "
+        "ATROPOS_API_KEY (inference: e.g. VLLM_API_KEY).",
+    )
+    api_key_flag: str = Field(
+        "", description="Flag the run's key is passed with at start (inference: SGLang's)."
+    )
     model_name: str = Field("", description="The model name environments ask for (inference).")
 
 
@@ -218,6 +226,8 @@ def plan_run(spec: RunSpec) -> RunPlan:
                     backend=server.backend,
                     synced=path != "none",
                     model_name=server.model_name,
+                    api_key_env=list(get_backend(server.backend).api_key_env),
+                    api_key_flag=get_backend(server.backend).api_key_flag,
                 )
             )
     environments: list[Component] = []

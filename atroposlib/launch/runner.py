@@ -99,12 +99,21 @@ class HostProcess:
             path.write_text(yaml.safe_dump(content, sort_keys=False))
         argv = [str(a) for a in render(self.component.argv, self.ctx)]
         env = {k: str(v) for k, v in render(self.component.env, self.ctx).items()}
+        env.update(self.extra_env)
+        # the run's key reaches an inference server the way that server reads it
+        key = self.extra_env.get("ATROPOS_API_KEY", "")
+        if key:
+            for name in self.component.api_key_env:
+                env[name] = key
+            if self.component.api_key_flag:
+                argv += [self.component.api_key_flag, key]
         self.child = ChildProcess(
             self.component.name,
             argv,
             self.log_path,
-            env={**env, **self.extra_env},
+            env=env,
             cwd=self.component.cwd,
+            secrets=[key],
         ).start()
         self.started_at = time.monotonic()
         return self

@@ -395,10 +395,12 @@ class RunSpec(_Strict):
     )
     api_key: str | None = Field(
         None,
-        description="Shared token run-api requires on every endpoint but /health; passed to "
-        "every component as ATROPOS_API_KEY. 'auto': a random one per run. '${VAR}': read "
-        "from that environment variable. Default: none (with bind_host loopback), 'auto' "
-        "otherwise.",
+        description="Shared token run-api and every inference server the run starts require "
+        "on every endpoint but /health; passed to every component as ATROPOS_API_KEY (vLLM "
+        "also gets VLLM_API_KEY, SGLang --api-key), and every client of the run sends it. "
+        "'auto': a random one per run. '${VAR}': read from that environment variable. "
+        "Default: none (with bind_host loopback), 'auto' otherwise; an empty key with a "
+        "bind_host beyond loopback is refused.",
     )
     api: ApiSpec = Field(default_factory=ApiSpec, description="The trajectory API.")
     inference: list[InferenceSpec] = Field(
@@ -424,6 +426,16 @@ class RunSpec(_Strict):
     @classmethod
     def _name(cls, value: str) -> str:
         return _check_name(value)
+
+    @model_validator(mode="after")
+    def _key_when_wide(self) -> RunSpec:
+        if self.bind_host not in LOOPBACK and self.api_key is not None and not self.api_key.strip():
+            raise ValueError(
+                f"api_key: empty, with bind_host {self.bind_host}: run-api and every inference "
+                "server would be open to anyone who reaches this node. Leave api_key out (a "
+                "random key is made for the run) or set one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunSpec:

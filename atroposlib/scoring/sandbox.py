@@ -55,8 +55,10 @@ and memory is per process. The result's ``isolation`` lists the layers that appl
 the first one in that mode).
 
 The result's :attr:`SandboxResult.status` says what happened: ``ok``, ``error`` (non-zero exit),
-``timeout`` (wall clock), ``cpu_limit``, ``memory_limit`` (a process or the total), ``process_limit``,
-``file_limit`` (file size or the disk quota), ``output_limit`` or ``blocked`` (a refused network or
+``timeout`` (wall clock), ``cpu_limit``, ``memory_limit`` (a process or the total),
+``process_limit`` (a new process or thread was refused: the cap of ``max_processes``, or for a
+thread no address space left for its stack; fork and thread bombs, from Python or a shell, end
+here, not in ``timeout`` or ``error``), ``file_limit`` (file size or the disk quota), ``output_limit`` or ``blocked`` (a refused network or
 filesystem access), with a one-line ``reason``.
 """
 
@@ -349,6 +351,25 @@ class _Cgroups:
                     time.sleep(0.02)
 
 
+# What programs print when the kernel refuses them a new process or thread: Python's os.fork
+# (BlockingIOError), bash ("fork: retry: Resource temporarily unavailable", then "fork:
+# Resource temporarily unavailable"), dash ("Cannot fork"), CPython's threading ("can't start
+# new thread") and glibc's pthread_create via other runtimes ("Resource temporarily unavailable"
+# next to "thread").
+_TASK_REFUSED = (
+    "fork: retry: Resource temporarily unavailable",
+    "fork: Resource temporarily unavailable",
+    "Cannot fork",
+    "can't start new thread",
+)
+
+
+def _tasks_refused(stderr: str) -> bool:
+    if any(marker in stderr for marker in _TASK_REFUSED):
+        return True
+    return "BlockingIOError" in stderr and ("fork" in stderr or "Resource temporarily" in stderr)
+
+
 def _classify(
     returncode: int | None,
     stderr: str,
@@ -374,10 +395,9 @@ def _classify(
     ):
         return "cpu_limit", f"CPU-time limit of {limits.cpu_time_s}s reached"
     limit_hit = report.get("process_limit_hit") or report.get("pids_refused")
-    forks_refused = "BlockingIOError" in stderr and (
-        "fork" in stderr or "Resource temporarily" in stderr
-    )
-    if (limit_hit and returncode != 0) or forks_refused:
+    if (limit_hit and returncode != 0) or _tasks_refused(stderr):
+        # Before the timeout: a bomb whose shell retries refused forks (bash) or whose main
+        # thread waits for its threads runs into the wall clock, but the cap is why.
         return "process_limit", f"process limit of {limits.max_processes} reached ({tail})"
     if timed_out:
         return (
@@ -508,6 +528,10 @@ def _run(
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONHASHSEED": "0",
+            # glibc gives each new thread a malloc arena of 64 MiB of address space: with
+            # RLIMIT_AS that, not max_processes, would stop a thread bomb (or a thread pool)
+            # after a handful of threads. Two arenas: a thread costs its stack.
+            "MALLOC_ARENA_MAX": "2",
         }
 
         start = time.monotonic()

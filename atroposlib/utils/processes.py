@@ -134,6 +134,7 @@ class ChildProcess:
         log_path: file that receives its stdout and stderr (appended).
         env: extra environment variables.
         cwd: working directory.
+        secrets: strings never written to the log (shown as ``***`` in the command line).
     """
 
     def __init__(
@@ -143,8 +144,10 @@ class ChildProcess:
         log_path: str | os.PathLike[str],
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
+        secrets: Sequence[str] = (),
     ) -> None:
         self.name = name
+        self.secrets = [s for s in secrets if s]
         self.command = [str(part) for part in command]
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -155,7 +158,8 @@ class ChildProcess:
         """Launch the process (does not wait for readiness)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"\n$ {' '.join(self.command)}\n".encode())
+            shown = ["***" if part in self.secrets else part for part in self.command]
+            log.write(f"\n$ {' '.join(shown)}\n".encode())
             log.flush()
             try:
                 self.proc = subprocess.Popen(

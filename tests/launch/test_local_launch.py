@@ -234,8 +234,9 @@ def test_dry_run_prints_every_command_without_starting_anything(tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["run-api", "policy", "arithmetic",
-                                                       "trainer"]  # fmt: skip
+    assert [line.split()[0] for line in lines[1:-1]] == ["run-api", "policy", "arithmetic",
+                                                         "trainer"]  # fmt: skip
+    assert lines[-1] == "settings: every environment's and the trainer's settings check out"
     assert "atroposlib.inference.cli --model SmolLM2-135M-Instruct" in result.stdout
     assert "environments/arithmetic_server.py serve --config" in result.stdout
     assert not (tmp_path / "q" / "logs").exists()
@@ -303,3 +304,197 @@ def test_a_run_bound_beyond_loopback_gets_a_key_every_component_uses(
     assert summary["api"]["batches_served"] == pulled["batches"] >= 2
     key_lines = [line for line in out.splitlines() if "ATROPOS_API_KEY=" in line]
     assert not key_lines  # the key itself is never printed
+
+
+KEY_PROBE = Path(__file__).with_name("key_probe.py")
+TOKEN_ENV = ROOT / "tests" / "trainer" / "token_env.py"
+
+
+@pytest.mark.slow  # ~45 s: run-api, atropos-serve, an env generating and a trainer
+def test_inference_servers_of_a_run_bound_beyond_loopback_require_the_runs_key(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """bind_host 0.0.0.0 with an atropos-serve: the server requires the run's key on every
+    route but /health (generation, /pause, /reload_weights, /policy_version), and every
+    client of the run sends it: the environment's inference client, the trainer's weight-sync
+    client, the launcher's health checks. Nothing is refused but the probes sent without it."""
+    out = tmp_path / "out"
+    spec = {
+        "name": "keyed",
+        "output": str(out),
+        "bind_host": "0.0.0.0",
+        "inference": [
+            {
+                "name": "policy",
+                "model": str(tiny_model_dir),
+                "served_model_name": "policy",
+                "args": ["--dtype", "float32"],
+                "startup_timeout": 120,
+            }
+        ],
+        "environments": [
+            {
+                "file": str(TOKEN_ENV),
+                "env": {
+                    "group_size": 4,
+                    "batch_size": 8,
+                    "total_steps": 100,
+                    "max_token_length": 256,
+                    "max_answer_tokens": 8,
+                    "tokenizer_name": str(tiny_model_dir),
+                    "use_wandb": False,
+                    "steps_per_eval": 0,
+                },
+                "max_restarts": 0,
+            }
+        ],
+        "trainer": {"command": [sys.executable, str(KEY_PROBE), "{output}/probe.json", "2"]},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if k != "ATROPOS_API_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(path), "--status", "lines"],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["no_key"] == {
+        "completions": 401,
+        "generate": 401,
+        "pause": 401,
+        "reload_weights": 401,
+        "policy_version": 401,
+        "wrong_key": 401,
+        "health": 200,
+    }
+    assert probe["with_key"] == 200 and probe["env_client_has_key"] is True
+    assert probe["policy_version"] == 0 and probe["batches"] == 2
+    serve_log = (out / "logs" / "policy.log").read_text()
+    # the six probes without a (right) key were the only requests refused
+    assert serve_log.count(" 401") == 6, serve_log[-3000:]
+    assert serve_log.count('"POST /generate HTTP/1.1" 200') >= 2  # the env generated with it
+    assert '"GET /policy_version HTTP/1.1" 200' in serve_log  # and read the version with it
+    assert "without an API key" not in serve_log
+
+
+def test_a_run_bound_beyond_loopback_with_an_empty_key_is_refused(tmp_path: Path):
+    spec = _spec(tmp_path, tmp_path, bind_host="0.0.0.0", api_key="")
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "api_key: empty, with bind_host 0.0.0.0" in result.stderr
+
+
+def test_the_shipped_quickstart_keeps_its_queue_in_a_store_under_the_output(tmp_path: Path):
+    """quickstart-run.yaml gives run-api a --store in the run's output folder (durable across a
+    SIGKILL of the launcher): what the launcher would start says so."""
+    from atroposlib.launch.plan import plan_run, render
+    from atroposlib.launch.spec import load_run_spec
+
+    spec = load_run_spec(
+        ROOT / "example_trainer" / "configs" / "quickstart-run.yaml", {"output": str(tmp_path)}
+    )
+    env = render(plan_run(spec).api.env, {"output": str(tmp_path)})
+    assert env["ATROPOS_STORE"] == str(tmp_path / "run-api.sqlite3")
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"api_key": "${ATROPOS_TEST_UNSET_KEY}"},
+         "api_key: environment variable ATROPOS_TEST_UNSET_KEY is not set"),
+        ({"output": "/proc/atropos-cannot-write"}, "output: cannot write to /proc/atropos-cannot-write"),
+    ],
+)  # fmt: skip
+def test_an_unset_key_variable_or_an_unwritable_output_is_a_one_line_error(
+    tmp_path: Path, over: dict, message: str
+):
+    spec = _spec(tmp_path, tmp_path, **over)
+    env = {k: v for k, v in os.environ.items() if k != "ATROPOS_TEST_UNSET_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec)],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _dry_run(spec: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "atroposlib.cli.launch", str(spec), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("environment", "trainer", "message"),
+    [
+        ({"env": {"group_size": "abc"}}, None,
+         "environments: counting: env.group_size in the run description: Input should be a valid integer"),
+        ({"env": {"no_such_setting": 1}}, None,
+         "environments: counting: the run description: unknown key 'env.no_such_setting'"),
+        ({"args": ["--env.total_steps", "x"]}, None,
+         "environments: counting: --env.total_steps 'x': Input should be a valid integer"),
+        ({"args": ["--env.bogus", "1"]}, None, "environments: counting: unknown flag --env.bogus"),
+        ({"openai": {"timeout": "soon"}}, None,
+         "environments: counting: openai.timeout in the run description: Input should be a valid integer"),
+        ({}, {"config": {"model_name": "m", "lr": "fast"}},
+         "lr in trainer.config: Input should be a valid number"),
+        ({}, {"config": {"model_name": "m", "training_steps": 0}},
+         "training_steps in trainer.config: Input should be greater than or equal to 1"),
+        ({}, {"config": {"model_name": "m", "no_such_setting": 1}},
+         "unknown trainer setting(s) no_such_setting"),
+    ],
+    ids=["env-type", "env-unknown", "env-flag-value", "env-unknown-flag", "openai-type",
+         "trainer-type", "trainer-range", "trainer-unknown"],
+)  # fmt: skip
+def test_dry_run_catches_bad_env_and_trainer_settings(
+    tmp_path: Path, environment: dict, trainer: dict | None, message: str
+):
+    """As the real launch would resolve them, without starting anything: a one-line error
+    naming the spec field and the setting, exit status 2."""
+    spec = yaml.safe_load(_spec(tmp_path, tmp_path).read_text())
+    env = spec["environments"][0]
+    env["env"].update(environment.get("env", {}))
+    env["openai"] = environment.get("openai", {})
+    env["args"] = environment.get("args", [])
+    if trainer is not None:
+        spec["trainer"] = trainer
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _dry_run(path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("atropos-launch: ") and message in line, line
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_dry_run_passes_good_env_and_trainer_settings(tmp_path: Path):
+    spec = yaml.safe_load(_spec(tmp_path, tmp_path).read_text())
+    spec["environments"][0]["args"] = ["--env.group_size", "4"]
+    spec["trainer"] = {"config": {"model_name": "m", "lr": 1e-5, "training_steps": 2}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = _dry_run(path)
+    assert result.returncode == 0, result.stderr
+    assert "settings: every environment's and the trainer's settings check out" in result.stdout

@@ -254,6 +254,41 @@ def test_fork_bomb_is_reported_as_process_limit(run: RunPython, ignore_errors: b
     assert run_python("print(1)").ok  # the host can still start processes
 
 
+# Bombs that are not Python's ``os.fork``: a shell's (bash retries refused forks with a
+# back-off and would otherwise read as a timeout; dash says "Cannot fork" and exits 0) and a
+# thread bomb (CPython says "can't start new thread", whether the task cap or the address space
+# for the thread's stack ran out; with non-daemon threads the program then waits forever).
+# Every one runs inside the sandbox's limits (8 tasks, 256 MiB, 2 s CPU, 3 s wall clock).
+BOMBS = {
+    "bash-classic": "import subprocess, sys\n"
+    "subprocess.run(['bash', '-c', ':(){ :|:& };:', sys.argv[1]])",
+    "bash-waits": "import subprocess, sys\n"
+    "subprocess.run(['bash', '-c', ':(){ :|:& };:; wait', sys.argv[1]])",
+    "sh-os-system": "import os, sys\nos.system('bomb(){ bomb|bomb& }; bomb; wait # ' + sys.argv[1])",
+    "threads": "import threading, time\n"
+    "while True:\n    threading.Thread(target=time.sleep, args=(60,)).start()",
+    "daemon-threads": "import threading, time\n"
+    "while True:\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()",
+    "threads-ignore-errors": "import threading, time\n"
+    "while True:\n    try:\n"
+    "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "    except RuntimeError:\n        time.sleep(0.01)",
+}
+
+
+@pytest.mark.parametrize("bomb", list(BOMBS))
+def test_shell_and_thread_bombs_are_reported_as_process_limit(run: RunPython, bomb: str) -> None:
+    marker = f"bomb-{secrets.token_hex(6)}"
+    limits = SandboxLimits(
+        wall_time_s=3, cpu_time_s=2, max_processes=8, memory_bytes=256 * 1024 * 1024
+    )
+    result = run(BOMBS[bomb], limits=limits, args=[marker])
+    assert result.status == "process_limit", result
+    assert "process limit of 8" in result.reason, result.reason
+    assert _gone(marker) == []
+    assert run_python("print(1)").ok  # the host can still start processes
+
+
 def test_detached_children_are_killed(run: RunPython) -> None:
     """``setsid`` daemons, from a shell and from Python, die with the run, as any user."""
     marker = str(900000 + secrets.randbelow(99999))

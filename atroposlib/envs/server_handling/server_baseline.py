@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 from openai.types.chat.chat_completion import ChatCompletion
 from openai.types.completion import Completion
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -243,7 +243,13 @@ class ServerBaseline(BaseModel):
 class APIServerConfig(ServerBaseline):
     """One concrete inference server."""
 
-    api_key: str | None = Field(default="", description="API key for the server.")
+    api_key: str | None = Field(
+        default="",
+        description="API key for the server. Empty (or the placeholder 'x') for a server "
+        "of atroposlib's own kinds (server_type vllm, atropos-serve, sglang, trl): the run's "
+        "shared key from ATROPOS_API_KEY, when that is set (atropos-launch starts those "
+        "servers with it); never for server_type openai.",
+    )
     base_url: str | None = Field(
         default="",
         description="Base URL for the server (e.g. http://localhost:9000/v1). Empty means the "
@@ -264,6 +270,18 @@ class APIServerConfig(ServerBaseline):
         "(GET /v1/models), 'auto' (/health, falling back to /v1/models), or 'completion' "
         "(a 1-token request; costs money on paid APIs).",
     )
+
+    @model_validator(mode="after")
+    def _run_key(self) -> APIServerConfig:
+        # one key per run: atropos-launch gives it to run-api and to every inference server it
+        # starts (ATROPOS_API_KEY); never sent to a third-party OpenAI endpoint
+        if self.server_type != "openai" and self.api_key in (None, "", "x"):
+            from atroposlib.utils.api_key import resolve_api_key
+
+            key = resolve_api_key(None)
+            if key:
+                self.api_key = key
+        return self
 
 
 LOCAL_SERVER_DEFAULTS: dict[str, Any] = {
