@@ -500,10 +500,6 @@ def _run_spec(
                 "args": [
                     "--log-level",
                     "warning",
-                    # the trainer's importance ratios need the sampling distribution's
-                    # log-probabilities (temperature applied), not the model's raw ones
-                    "--logprobs-mode",
-                    "processed_logprobs",
                     # serve the trainer's precision: a bfloat16 copy of float32 training
                     # weights rounds small updates away and samples from another policy
                     "--dtype",

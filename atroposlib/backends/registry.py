@@ -209,7 +209,7 @@ class AtroposServeBackend(Backend):
     server_type = "vllm"
     token_ids = True
     logprobs = "processed"
-    logprobs_note = "--logprobs-mode processed_logprobs (its default is raw_logprobs)"
+    logprobs_note = "processed_logprobs, its default (--logprobs-mode)"
     policy_version = "native"
     weight_paths = ("reload",)
     measured = "CPU: tested per commit and measured (bench/README.md); GPU: not measured here"
