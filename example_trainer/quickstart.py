@@ -12,6 +12,8 @@ process, reloading the server's weights after every step, and writes into the ou
     OUTPUT/metrics.jsonl                    every number: per step loss, reward, entropy,
                                             tokens/s, sync time; held-out evaluations
     OUTPUT/logs/*.log                       each child's log
+    OUTPUT/run-api-metrics.json             what became of every group the environment sent
+                                            (served, queued, dropped by reason), at the end
 
 With ``--eval`` (on in every recipe) it also runs the environment's own ``evaluate`` on its
 held-out split, greedily, against the served weights: before training (``eval_before.json``),
@@ -465,9 +467,37 @@ def run(args: QuickstartOptions) -> int:
         return 1
     finally:
         stop_watch.set()
+        queue_line = _queue_report(api_url, out)
         launched.stop()
         _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
+        if queue_line:
+            print(queue_line)
     return 0
+
+
+def _queue_report(api_url: str, out: Path) -> str:
+    """What became of every group the environment sent, from run-api's ``/metrics`` before it
+    stops: saved as ``run-api-metrics.json`` in the output folder; returns a one-line summary
+    ("" when run-api no longer answers)."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{api_url}/metrics", params={"format": "json"}, timeout=5.0)
+        reply.raise_for_status()
+        m = reply.json()
+    except (httpx.HTTPError, ValueError):
+        return ""
+    (out / "run-api-metrics.json").write_text(json.dumps(m, indent=2) + "\n")
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(m.get("dropped", {}).items())) or "none"
+    partial = ", ".join(f"{k} {v}" for k, v in sorted(m.get("partial_groups", {}).items()))
+    return (
+        f"run-api: {m.get('accepted_groups', 0)} groups accepted, "
+        f"{m.get('groups_served', 0)} served in {m.get('batches_served', 0)} batches, "
+        f"{m.get('queue_groups', 0)} still queued, {m.get('buffered_groups', 0)} held as parts "
+        f"of a group ({m.get('buffered_sequences', 0)} sequences), dropped: {dropped}"
+        + (f"; parts of one prompt's group: {partial}" if partial else "")
+        + f" ({out / 'run-api-metrics.json'})"
+    )
 
 
 def _run_spec(

@@ -67,6 +67,11 @@ def _run(tmp_path: Path, model: Path, seed: int) -> list[dict]:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # what became of the env's groups, from run-api before it stopped
+    queue = json.loads((out / "run-api-metrics.json").read_text())
+    assert queue["groups_served"] == STEPS * 32 // 8, queue
+    assert queue["accepted_groups"] >= queue["groups_served"], queue
+    assert "run-api: " in proc.stdout and "groups accepted" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "reward_mean" in r]
 
