@@ -18,6 +18,9 @@ import json
 import logging
 import math
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -205,6 +208,19 @@ class ParserGone(Exception):
     """The parser process died (killed for memory?) while it held a body."""
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Parser-process initializer: exit when run-api is gone. A run-api killed outright
+    (SIGKILL, the OOM killer) cannot stop its parser, which otherwise waits forever on a queue
+    nobody writes to (seen: orphaned parser processes after ``kill -9``)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-run-api", daemon=True).start()
+
+
 class GroupParser:
     """Runs :func:`prepare_groups` where it costs the event loop least.
 
@@ -241,7 +257,12 @@ class GroupParser:
     async def _in_process(self, raw: bytes, many: bool) -> list[PreparedGroup]:
         async with self._process_lock:  # one big body at a time: its memory is ~20x its size
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(
+                    1,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_exit_with_parent,
+                    initargs=(os.getpid(),),
+                )
             pool = self._pool
             future = pool.submit(prepare_groups, raw, many)
             try:

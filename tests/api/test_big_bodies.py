@@ -138,3 +138,27 @@ def test_big_body_parsed_out_of_process_answers_the_same(start_api) -> None:
         assert client.post("/scored_data", content=raw).json() == {"status": "received"}
         served = client.get("/batch").json()["batch"][0]
         assert served["tokens"] == big["tokens"] and served["scores"] == [0.5]
+
+
+def test_parser_process_exits_when_run_api_is_killed(start_api) -> None:
+    """``kill -9`` of run-api leaves no parser process behind (it used to wait forever)."""
+    import time
+
+    import psutil
+
+    server = start_api()
+    n = 1_200_000
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        start_run(client, batch_size=1, max_token_len=2 * n)
+        raw = orjson.dumps({"tokens": [[5] * n], "masks": [[-100] * n], "scores": [0.5]})
+        assert client.post("/scored_data", content=raw).json() == {"status": "received"}
+    api = psutil.Process(server.proc.pid)
+    parsers = [
+        p for p in api.children(recursive=True) if "multiprocessing" in " ".join(p.cmdline())
+    ]
+    assert parsers, [p.cmdline() for p in api.children(recursive=True)]
+    server.kill9()
+    deadline = time.monotonic() + 15
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in parsers):
+        assert time.monotonic() < deadline, "the parser process outlived run-api"
+        time.sleep(0.2)
