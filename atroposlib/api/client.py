@@ -20,6 +20,11 @@ viewer (``view-run``).
   not know this client's uuid (it restarted without ``--store``, or ``/reset_data`` was called),
   the client registers again with what it registered before, starting from the step of the last
   batch it received, and logs a warning (the groups run-api held are gone).
+* **Long poll**: :meth:`TrainerClient.get_batch` asks ``GET /batch?wait=SECONDS`` (run-api
+  holds the request until a batch is ready, up to ``long_poll`` seconds), so a batch is handed
+  over as soon as it forms instead of at the next poll. Whether run-api long-polls is seen on
+  the first such request (its answer carries ``X-Atropos-Wait``); an upstream run-api ignores
+  ``wait`` and answers at once, and the client then polls every ``poll`` seconds as before.
 * **API key**: every request carries the key of ``run-api --api-key``, by default from the
   ``ATROPOS_API_KEY`` environment variable (``Authorization: Bearer KEY``).
 """
@@ -43,6 +48,13 @@ __all__ = ["TrainerClient", "TrajectoryAPIError"]
 STEP_HEADER = "X-Atropos-Step"
 #: Header set on a batch handed out a second time.
 REDELIVERED_HEADER = "X-Atropos-Redelivered"
+#: Header of a long-polled ``/batch`` answer (the wait run-api honoured); absent: no long poll.
+WAIT_HEADER = "X-Atropos-Wait"
+#: Headers of a long poll that ended without a batch: sequences queued / held as parts.
+QUEUED_HEADER = "X-Atropos-Queued-Sequences"
+HELD_HEADER = "X-Atropos-Held-Sequences"
+#: Default seconds one long-polled ``GET /batch`` may wait (run-api accepts up to 30).
+LONG_POLL_S = 10.0
 
 
 class TrajectoryAPIError(RuntimeError):
@@ -61,6 +73,8 @@ class TrainerClient:
         rank: This process's rank when several processes of one trainer each pull batches
             (each batch goes to one of them). None (default): the ``RANK`` environment
             variable that torchrun, accelerate and DeepSpeed set, else 0.
+        long_poll: Seconds one ``GET /batch`` of :meth:`get_batch` asks run-api to wait for a
+            batch (``?wait=``, at most 30); 0: never long-poll (poll every ``poll`` s).
     """
 
     def __init__(
@@ -71,8 +85,17 @@ class TrainerClient:
         ack: bool = True,
         api_key: str | None = None,
         rank: int | None = None,
+        long_poll: float = LONG_POLL_S,
     ) -> None:
+        if not 0 <= long_poll <= 30:
+            raise ValueError(f"long_poll must be from 0 to 30 seconds, got {long_poll}")
         self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.long_poll = long_poll
+        #: whether run-api long-polls ``/batch`` (None: not known yet; found on first use)
+        self.long_poll_supported: bool | None = None
+        #: sequences queued and held by run-api when its last long poll ended without a batch
+        self.last_fill: tuple[int, int] | None = None
         self.ack = ack
         self.rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
         #: the uuid of this client's ``/register``, sent as ``consumer`` with each ``/batch``
@@ -207,15 +230,27 @@ class TrainerClient:
             raise TrajectoryAPIError(f"/register answered without a uuid: {reply}")
         self.uuid = int(reply["uuid"])
 
-    def try_batch(self, *, timeout: float | None = 10.0) -> list[dict[str, Any]] | None:
+    def try_batch(
+        self, *, timeout: float | None = 10.0, wait: float = 0.0
+    ) -> list[dict[str, Any]] | None:
         """One ``GET /batch`` (acknowledging the last batch received): the groups of the next
         batch, or None when none is ready.
+
+        ``wait``: seconds run-api may hold the request until a batch is ready (a long poll,
+        ``?wait=``; not sent once run-api was seen not to support it).
 
         Raises ``TrajectoryAPIError`` if the API reports an error (e.g. not registered).
         """
         deadline = self._deadline(timeout)
+        wait = 0.0 if self.long_poll_supported is False else min(max(wait, 0.0), 30.0)
+        extra: dict[str, Any] = {}
+        if wait > 0:
+            # the read may take the whole wait: the timeout counts from when it ends
+            extra["timeout"] = httpx.Timeout(self.timeout, read=self.timeout + wait)
         for attempt in range(2):
-            params: dict[str, int] = {}
+            params: dict[str, Any] = {}
+            if wait > 0:
+                params["wait"] = f"{wait:.3f}".rstrip("0").rstrip(".")
             if self.ack and self.last_step is not None:
                 params["ack"] = self.last_step
                 if self.rank:
@@ -224,15 +259,29 @@ class TrainerClient:
                     params["consumer"] = self.uuid
             # a response cut short is a transport error, retried by _response: with the same
             # ack, run-api hands the same batch out again
-            response = self._response("GET", "/batch", deadline, passed=(409,), params=params)
+            response = self._response(
+                "GET", "/batch", deadline, passed=(409,), params=params, **extra
+            )
             lost = self._lost_run(response)
             if lost is None:
                 break
             if self._registration is None or attempt:
                 raise TrajectoryAPIError(f"/batch: {lost}")
             self._register_again(lost, timeout)
+        if wait > 0 and self.long_poll_supported is None:
+            self.long_poll_supported = WAIT_HEADER.lower() in response.headers
+            if self.long_poll_supported:
+                logger.info("run-api long-polls /batch: each request waits up to %g s", wait)
+            else:
+                logger.info(
+                    "run-api does not long-poll /batch (an upstream server?): polling instead"
+                )
         reply = response.json()
         if not reply.get("batch"):
+            queued = response.headers.get(QUEUED_HEADER)
+            held = response.headers.get(HELD_HEADER)
+            if queued is not None and held is not None:
+                self.last_fill = (int(queued), int(held))
             return None
         step = response.headers.get(STEP_HEADER)
         if step is not None:
@@ -261,23 +310,48 @@ class TrainerClient:
         return None
 
     def get_batch(self, *, timeout: float | None = None, poll: float = 1.0) -> list[dict]:
-        """``GET /batch`` until a batch comes (polling every ``poll`` s); returns its groups.
+        """``GET /batch`` until a batch comes; returns its groups. Each request long-polls
+        (run-api answers as soon as the batch is ready, or after ``long_poll`` s); against a
+        run-api that does not long-poll, one request every ``poll`` s.
 
         Raises ``TrajectoryAPIError`` if the API reports an error (e.g. not registered) or no
         batch arrives within ``timeout`` seconds.
         """
+        started = time.monotonic()
         deadline = self._deadline(timeout)
+        reported = started
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            batch = self.try_batch(timeout=remaining)
+            wait = self.long_poll if remaining is None else min(self.long_poll, remaining)
+            asked = time.monotonic()
+            batch = self.try_batch(timeout=remaining, wait=wait)
+            now = time.monotonic()
             if batch:
+                if now - started >= 1.0:
+                    logger.debug("/batch: waited %.1f s for this batch", now - started)
                 return batch
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and now > deadline:
                 raise TrajectoryAPIError(
                     f"no batch from {self.url}/batch within {timeout:.0f} s; are environments "
                     "running and sending data?"
                 )
-            time.sleep(poll)
+            if now - reported >= max(self.long_poll, poll, 10.0):
+                reported = now
+                logger.info("Waiting for a batch for %.0f s: %s", now - started, self._waits_for())
+            if self.long_poll_supported and now - asked >= wait / 2:
+                continue  # run-api waited: ask again at once
+            time.sleep(poll)  # no long poll, or run-api answered early (shutting down)
+
+    def _waits_for(self) -> str:
+        """What a waiting :meth:`get_batch` waits for, as far as run-api said."""
+        size = (self._registration or {}).get("batch_size", "?")
+        if self.long_poll_supported and self.last_fill is not None:
+            queued, held = self.last_fill
+            return (
+                f"a batch of {size} sequences; run-api has {queued} queued and {held} held as "
+                "parts of groups (are environments running and sending data?)"
+            )
+        return f"a batch of {size} sequences (are environments running and sending data?)"
 
     def status(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
         """``GET /status``: ``{"current_step", "queue_size"}``."""

@@ -17,6 +17,7 @@ from atroposlib.api.ingest import GroupParser
 from atroposlib.api.queue import QueueLimits, TrajectoryQueue
 from atroposlib.api.settings import ApiSettings
 from atroposlib.api.store import MemoryStore, Recording, SqliteStore
+from atroposlib.api.waiting import BatchWaiters
 from atroposlib.utils.http_guard import BodyBudget
 
 __all__ = ["ApiState", "Queue", "State", "get_queue", "get_state"]
@@ -33,6 +34,8 @@ class ApiState:
     budget: BodyBudget
     #: evaluations pinned to a policy version (in memory; a restart forgets them)
     evals: EvalBoard
+    #: ``GET /batch?wait=`` requests waiting for a batch (woken by the queue's changes)
+    waiters: BatchWaiters
 
     @classmethod
     def open(cls, settings: ApiSettings) -> ApiState:
@@ -56,16 +59,20 @@ class ApiState:
         )
         if settings.replay:
             queue.replay(Recording(settings.replay), repack=settings.replay_mode == "repack")
+        waiters = BatchWaiters()
+        queue.on_change = waiters.notify
         return cls(
             settings=settings,
             queue=queue,
             parser=GroupParser(settings.ingest_threads),
             budget=BodyBudget(max(settings.ingest_budget_bytes, settings.max_request_bytes)),
             evals=EvalBoard(),
+            waiters=waiters,
         )
 
     def close(self) -> None:
         """Stop the parser process and close the store (and a replayed recording)."""
+        self.waiters.close()
         self.parser.close()
         self.queue.close()
 

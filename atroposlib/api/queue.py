@@ -29,7 +29,9 @@ Semantics (see ``docs/compat.md`` for how they differ from upstream):
 * A group shorter than its env's ``group_size`` is served as the group it is, unless it is a
   part of one prompt's group (:mod:`atroposlib.api.partials`): such parts are held and merged
   once they add up to their group, and released as they are whenever a trainer asks for a
-  batch the queue cannot fill, so no part waits while the trainer waits.
+  batch the queue cannot fill, so no part waits while the trainer waits. A long-polled
+  ``/batch`` (``take_batch(release_partials=False)`` while it waits) releases them only when
+  they would let a batch form, so parts arriving during its wait can complete their group.
 * The queue is bounded in sequences and bytes; past the bound, :class:`QueueFull` is raised and
   the HTTP layer answers 429 with ``Retry-After``.
 * Policy versions (``policy_version``, the trainer step whose weights generated a group) are
@@ -55,7 +57,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,8 +216,15 @@ class TrajectoryQueue:
         #: counters and gauges of ``/metrics`` (not persisted: this process's lifetime)
         self.counters = QueueCounters()
         self._started_at = time.time()
+        #: called (in the thread that changed it) after every change that can let a batch form:
+        #: groups queued, an env disconnected, a registration, a reset (long-polled ``/batch``)
+        self.on_change: Callable[[], None] | None = None
         self._init_state()
         self._restore()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # ------------------------------------------------------------------ state
     def _init_state(self) -> None:
@@ -387,6 +396,7 @@ class TrajectoryQueue:
             requester = uuid.uuid4().int
             self.requesters.append(requester)
             self.store.put_meta(self._meta())
+            self._changed()
             return {"uuid": requester}
 
     def _drop_unservable(self) -> None:
@@ -452,6 +462,7 @@ class TrajectoryQueue:
                     env_id,
                     len(released),
                 )
+            self._changed()  # its parts are queued, and its minimum allocation no longer holds
             return {"status": "success"}
 
     # ------------------------------------------------------------ read-only
@@ -473,6 +484,12 @@ class TrajectoryQueue:
         """``/status``: the step and the number of queued groups."""
         with self._lock:
             return {"current_step": self.step, "queue_size": len(self._queued)}
+
+    def fill(self) -> tuple[int, int, int]:
+        """Sequences queued, sequences held (parts of groups) and ``batch_size``: what a waiting
+        trainer waits for."""
+        with self._lock:
+            return self._queued.sequences, self._partials.sequences, self.batch_size
 
     def status_env(self, env_id: int) -> dict[str, Any]:
         """Upstream's per-env view of the queue, used by envs to throttle themselves. Held
@@ -608,6 +625,7 @@ class TrajectoryQueue:
                     self._queue_parts(complete, "merged")
                 held = self._partials.held_sequences(part.group.env_id)
                 results.append({"status": "buffered", "buffer_size": held})
+            self._changed()
             return results
 
     def _count_ahead(self, version: int) -> None:
@@ -669,7 +687,11 @@ class TrajectoryQueue:
 
     # ----------------------------------------------------------------- batch
     def take_batch(
-        self, ack: int | None = None, rank: int = 0, consumer: int | None = None
+        self,
+        ack: int | None = None,
+        rank: int = 0,
+        consumer: int | None = None,
+        release_partials: bool = True,
     ) -> Batch | dict[str, Any]:
         """Hand out the next batch: the serialised groups of its ``{"batch": [...]}`` body, in
         order, with its step.
@@ -684,6 +706,12 @@ class TrajectoryQueue:
         kept until acknowledged. Without ``ack`` a batch is forgotten as soon as it is handed
         out (at-most-once). ``consumer`` (optional): the uuid ``/register`` gave the asking
         trainer; the rank is then served to the latest registered of its claimants.
+
+        ``release_partials`` (default True, what every plain ``/batch`` does): when the queue
+        cannot fill a batch, queue every held part as it is. False (a long-polled ``/batch``
+        woken during its wait): held parts are released only when they would let a batch
+        form now (queued and held sequences reach ``batch_size``); otherwise they stay held,
+        so parts arriving while the trainer waits can still complete their group.
 
         Raises :class:`Refused`: ``bad_ack`` when ``ack`` is ahead of the last batch handed
         out, ``unknown_consumer`` for a uuid no ``/register`` of this run gave, ``superseded``
@@ -712,7 +740,7 @@ class TrajectoryQueue:
                 again = self._acknowledge(ack, rank)
                 if again is not None:
                     return again
-            chosen, step = self._form_batch()
+            chosen, step = self._form_batch(release_partials)
             if not chosen:
                 return {"batch": None}
             self.step = step
@@ -733,15 +761,19 @@ class TrajectoryQueue:
             )
             return Batch([g.payload for g in chosen], self.step)
 
-    def _form_batch(self) -> tuple[list[StoredGroup], int]:
+    def _form_batch(self, release: bool = True) -> tuple[list[StoredGroup], int]:
         """The groups of the next batch, taken out of the queue, and its step; [] when none can
         be formed (stale groups dropped first; held parts queued when the queue alone cannot
-        fill it)."""
+        fill it, and ``release`` or they could fill it)."""
         if self._recording is not None and not self._repack:
             return self._recorded_batch()
         self._drop_stale(self.step + 1)
         chosen = self._choose()
-        if not chosen and self._release_partials():
+        if (
+            not chosen
+            and (release or self._queued.sequences + self._partials.sequences >= self.batch_size)
+            and self._release_partials()
+        ):
             self._drop_stale(self.step + 1)
             chosen = self._choose()
         while not chosen and self._replay_steps:  # repack: read recorded groups as needed
@@ -890,6 +922,7 @@ class TrajectoryQueue:
             self.store.clear(self._meta())
             if self._recording is not None:  # a replay starts over
                 self._replay_steps = list(self._recording.steps)
+            self._changed()
 
     # --------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, Any]:

@@ -6,10 +6,12 @@ Flags come from :class:`~atroposlib.api.settings.ApiSettings` (each also settabl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -129,13 +131,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:  # a store that cannot be opened is a user-facing error
         print(f"run-api: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from exc
-    uvicorn.run(
+    waiters = app.state.api.waiters
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also answers long-polled ``/batch`` requests at once when
+        it is told to stop (uvicorn waits for requests in progress: up to 30 s otherwise)."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            waiters.close()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         timeout_keep_alive=30,
     )
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn.run's exit status when the server could not start
 
 
 if __name__ == "__main__":

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from atroposlib.api.dependencies import Queue, State
+from atroposlib.api.dependencies import ApiState, Queue, State
 from atroposlib.api.models import Registration
+from atroposlib.api.queue import Batch
 from atroposlib.api.responses import (
     GZIP_MINIMUM,
     MAX_GZIP_LEVEL,
@@ -21,6 +25,7 @@ from atroposlib.api.responses import (
     join_and_gzip,
     json_response,
 )
+from atroposlib.api.waiting import MAX_WAIT_S
 
 router = APIRouter(tags=["trainers"])
 
@@ -33,6 +38,33 @@ async def register(registration: Registration, queue: Queue) -> dict[str, int]:
     return await run_in_threadpool(queue.register_trainer, registration)
 
 
+#: Header of a long-polled ``/batch`` answer: the wait run-api honoured, in seconds (a client
+#: that asked for ``wait`` and finds no such header talks to a run-api that does not long-poll).
+WAIT_HEADER = "X-Atropos-Wait"
+#: Headers of a long poll answered ``{"batch": null}``: sequences queued, and held as parts of
+#: groups, when it gave up (what the trainer waits for, against its ``batch_size``).
+QUEUED_HEADER = "X-Atropos-Queued-Sequences"
+HELD_HEADER = "X-Atropos-Held-Sequences"
+
+
+def parse_wait(raw: str | None) -> float | None:
+    """``?wait=SECONDS``: a finite number from 0 to :data:`MAX_WAIT_S`; 422 naming ``wait``."""
+    if raw is None:
+        return None
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not 0.0 <= wait <= MAX_WAIT_S:  # NaN fails too
+        raise bad_param(
+            f"wait must be a number of seconds from 0 to {MAX_WAIT_S:g} (how long /batch may "
+            f"hold the request until a batch is ready), got {raw!r}",
+            "wait",
+            "value_error",
+        )
+    return wait
+
+
 @router.get("/batch")
 async def batch(
     request: Request,
@@ -40,6 +72,7 @@ async def batch(
     ack: Annotated[int | None, Query(ge=0, lt=2**62)] = None,
     rank: Annotated[int, Query(ge=0, lt=2**31)] = 0,
     consumer: Annotated[int | None, Query(ge=0, lt=2**128)] = None,
+    wait: Annotated[str | None, Query(description="seconds to wait for a batch (0-30)")] = None,
 ) -> Response:
     """Hand the trainer its next batch (FIFO), or ``{"batch": null}`` when none is ready.
 
@@ -51,13 +84,33 @@ async def batch(
     redelivery are per rank. ``?consumer=UUID``: the uuid ``/register`` returned, so that a
     rank is served to one trainer only (the one registered last; 409 for an earlier one). The
     batch's step is in the ``X-Atropos-Step`` header.
+
+    ``?wait=SECONDS`` (0 to 30; a long poll): when no batch is ready, hold the request until
+    one is (woken when groups are queued, no polling) or the time is up, then answer as
+    without it (``{"batch": null}``). The answer carries ``X-Atropos-Wait``.
     """
+    waited = parse_wait(wait)
     queue = state.queue
-    take = partial(queue.take_batch, ack, rank, consumer)
-    result = await run_in_threadpool(take) if queue.store.durable else take()
+
+    async def take(release: bool) -> Batch | dict[str, Any]:
+        call = partial(queue.take_batch, ack, rank, consumer, release)
+        return await run_in_threadpool(call) if queue.store.durable else call()
+
+    if not waited:
+        result = await take(True)
+    else:
+        result = await _long_poll(request, state, take, waited)
+        if result is None:  # the client left while it waited: nothing handed out
+            return Response(status_code=204)
+    extra = {} if waited is None else {WAIT_HEADER: f"{waited:g}"}
     if isinstance(result, dict):
-        return json_response(result)
-    headers = {"X-Atropos-Step": str(result.step)}
+        if waited and result.get("batch", False) is None:
+            queued, held, _ = queue.fill()
+            extra.update({QUEUED_HEADER: str(queued), HELD_HEADER: str(held)})
+        response = json_response(result)
+        response.headers.update(extra)
+        return response
+    headers = {"X-Atropos-Step": str(result.step), **extra}
     if result.redelivered:
         headers["X-Atropos-Redelivered"] = "1"
     pieces = framed(result)
@@ -67,6 +120,46 @@ async def batch(
         headers.update({"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
         return Response(body, media_type="application/json", headers=headers)
     return Response(b"".join(pieces), media_type="application/json", headers=headers)
+
+
+async def _long_poll(
+    request: Request,
+    state: ApiState,
+    take: Callable[[bool], Awaitable[Batch | dict[str, Any]]],
+    wait: float,
+) -> Batch | dict[str, Any] | None:
+    """Try the queue, and again after each change, until a batch is handed out or ``wait``
+    seconds pass; None when the client disconnected meanwhile (then nothing was taken).
+
+    Held parts of groups are released as a plain ``/batch`` releases them when the wait
+    begins and when it ends; in between only when releasing them fills a batch, so parts
+    that arrive while the trainer waits can still complete their group."""
+    waiters = state.waiters
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    seen = waiters.enter()
+    try:
+        result = await take(True)
+        while _no_batch(result):
+            remaining = deadline - loop.time()
+            if remaining <= 0 or waiters.closing:
+                break
+            await waiters.wait(seen, remaining)
+            seen = waiters.version
+            if await request.is_disconnected():
+                return None
+            timed_out = loop.time() >= deadline or waiters.closing
+            result = await take(timed_out)
+            if timed_out:
+                break
+        return result
+    finally:
+        waiters.leave()
+
+
+def _no_batch(result: Batch | dict[str, Any]) -> bool:
+    """``{"batch": null}``: nothing to hand out yet (an error dict is answered at once)."""
+    return isinstance(result, dict) and result.get("batch", False) is None
 
 
 @router.get("/info")
