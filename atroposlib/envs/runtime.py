@@ -9,6 +9,10 @@ and wakes at once when a rollout finishes; on each pass it
 * stops when the queued data covers ``total_steps``;
 * unless the API's queue is full (``throttle.queue_is_full``), starts rollouts up to the cap
   (``add_train_workers``: retried items first, then the backlog, then ``get_next_item()``);
+  the cap follows the measured acceptance rate (``throttle.acceptance_rate``: groups sent per
+  finished rollout), so that enough rollouts are in flight to fill the window when most groups
+  are dropped (as flat); the rollouts started beyond the plain cap (the surplus) are cancelled,
+  their items kept to roll out again, once the queue is full;
 * cancels rollouts older than ``worker_timeout`` (retried, then dropped as ``timeout``).
 
 A rollout (``handle_env``) runs ``collect_trajectories`` and ``postprocess_histories``, then
@@ -92,6 +96,23 @@ class ServeLoop:
         #: The evaluation pinned to a policy version that runs now, and the last one started.
         self.pinned_eval: asyncio.Task | None = None
         self._pinned_request: int | None = None
+        #: ``env.groups_sent`` when each of the latest rollouts finished (the acceptance rate)
+        self._sent_at_finish: deque[int] = deque(maxlen=throttle.ACCEPTANCE_WINDOW + 1)
+        #: surplus rollouts cancelled because the queue was full
+        self.cancelled_surplus = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Groups sent per finished rollout over the latest ones (1.0 before any finished)."""
+        marks = self._sent_at_finish
+        if len(marks) < 2:
+            return 1.0
+        return throttle.acceptance_rate(len(marks) - 1, marks[-1] - marks[0])
+
+    def _rollout_finished(self) -> None:
+        if not self._sent_at_finish:
+            self._sent_at_finish.append(0)
+        self._sent_at_finish.append(self.env.groups_sent)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,6 +131,7 @@ class ServeLoop:
     async def _main_loop(self) -> None:
         env = self.env
         self._wake = asyncio.Event()
+        self._sent_at_finish.append(env.groups_sent)
         next_poll = 0.0
         last_loop_time: float | None = None
         while True:
@@ -142,6 +164,8 @@ class ServeLoop:
                     )
             if not enough and not self._is_paused(self._effective_status()):
                 await env.add_train_workers()
+            else:
+                self._cancel_surplus()
             self._reap_timeouts()
             self._wake.clear()
             try:
@@ -183,9 +207,11 @@ class ServeLoop:
                 logger.debug("closing servers: %s", exc)
         env._wandb_logging.finish()
         logger.info(
-            "Env stopped: %d groups sent, %d rollouts retried, dropped: %s",
+            "Env stopped: %d groups sent, %d rollouts retried, %d surplus rollouts cancelled "
+            "(queue full), dropped: %s",
             env.groups_sent,
             env.retried_rollouts,
+            self.cancelled_surplus,
             dict(env.drop_counts) or "none",
         )
 
@@ -233,6 +259,12 @@ class ServeLoop:
 
     def _worker_cap(self) -> int | None:
         """How many rollouts may run now; None while an eval holds training back."""
+        caps = self._worker_caps()
+        return None if caps is None else caps[1]
+
+    def _worker_caps(self) -> tuple[int, int] | None:
+        """The plain cap (one rollout per missing group) and the cap at the measured acceptance
+        rate; None while an eval holds training back."""
         env = self.env
         cap = env.max_num_workers
         if env.eval_runner is not None and not env.eval_runner.done():
@@ -240,29 +272,36 @@ class ServeLoop:
                 return None
             if env.config.eval_handling == EvalHandlingEnum.LIMIT_TRAIN:
                 cap = int(cap * env.config.eval_limit_ratio)
-        if env.config.batch_size > 0 and env.status_dict is not None:
-            cap = min(
+        if env.config.batch_size <= 0 or env.status_dict is None:
+            return cap, cap
+        status = self._effective_status()
+        plain, scaled = (
+            min(
                 cap,
                 throttle.train_worker_cap(
                     cap,
-                    self._effective_status(),
+                    status,
                     env.config.group_size,
                     env.config.batch_size,
                     env.config.max_batches_offpolicy,
                     env.config.min_batch_allocation,
                     env.derived_batch_size,
+                    acceptance,
                 ),
             )
-        return cap
+            for acceptance in (1.0, self.acceptance)
+        )
+        return plain, max(plain, scaled)
 
     # ------------------------------------------------------------------ the hooks' bodies
 
     async def add_train_workers(self) -> None:
         """``add_train_workers``: start rollouts up to the current cap."""
         env = self.env
-        cap = self._worker_cap()
-        if cap is None:
+        caps = self._worker_caps()
+        if caps is None:
             return
+        plain, cap = caps
         added = 0
         while len(env.workers) < cap:
             if self.retry_queue:
@@ -273,7 +312,7 @@ class ServeLoop:
                 item, attempts = await env.get_next_item(), 0
                 if item is None:
                     break
-            self._spawn(item, attempts)
+            self._spawn(item, attempts, surplus=len(env.workers) >= plain)
             added += 1
         if added:
             env.workers_added_list.append(added)
@@ -374,7 +413,9 @@ class ServeLoop:
 
     # ------------------------------------------------------------------ workers
 
-    def _spawn(self, item: Item, attempts: int = 0) -> None:
+    def _spawn(self, item: Item, attempts: int = 0, surplus: bool = False) -> None:
+        """Start a rollout of ``item``; ``surplus``: started beyond the plain cap (for the
+        acceptance rate), cancelled if the queue fills first."""
         env = self.env
         item_uuid = str(uuid.uuid4())
         task = asyncio.create_task(env.handle_env(item_uuid))
@@ -384,12 +425,15 @@ class ServeLoop:
             "start_time": time.time(),
             "attempts": attempts,
             "sending": False,
+            "surplus": surplus,
         }
         env.workers.add(task)
         task.add_done_callback(partial(self._worker_done, item))
 
     def _worker_done(self, item: Item, task: asyncio.Task) -> None:
         self.env.workers.discard(task)
+        if not task.cancelled():
+            self._rollout_finished()
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             self.env.drop_counts["error"] += 1
@@ -414,8 +458,31 @@ class ServeLoop:
             env.running_items.pop(item_uuid, None)
             entry["worker"].cancel()
             env.workers.discard(entry["worker"])
+            self._rollout_finished()  # a rollout that yielded nothing
             self._retry_or_drop(
                 entry, "timeout", f"no result after {now - entry['start_time']:.1f}s"
+            )
+
+    def _cancel_surplus(self) -> None:
+        """The queue is full: cancel the rollouts started beyond the plain cap that are not
+        sending yet, and keep their items to roll out first when rollouts start again."""
+        env = self.env
+        cancelled = 0
+        for item_uuid, entry in list(env.running_items.items()):
+            if not entry.get("surplus") or entry["sending"]:
+                continue
+            env.running_items.pop(item_uuid, None)
+            entry["worker"].cancel()
+            env.workers.discard(entry["worker"])
+            self.retry_queue.appendleft((entry["item"], entry["attempts"]))
+            cancelled += 1
+        if cancelled:
+            self.cancelled_surplus += cancelled
+            logger.debug(
+                "The queue is full: cancelled %d surplus rollout(s) (acceptance rate %.2f); "
+                "their items are rolled out again later",
+                cancelled,
+                self.acceptance,
             )
 
 

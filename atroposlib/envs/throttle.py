@@ -4,6 +4,16 @@
 read and tested without a server. ``status`` keys: ``current_step``, ``queue_size`` (this env's
 view of the queue, in groups of its size), ``self_queue_size``, ``max_group_size``,
 ``unallocated_fraction`` and ``env_weight``.
+
+**Rollouts in flight follow the acceptance rate.** Not every rollout ends as a group in the
+queue: groups whose scores are all alike are dropped (no learning signal), others fail. The
+worker cap counts groups the off-policy window still misses; dividing it by the measured
+acceptance rate (:func:`acceptance_rate`: groups sent per finished rollout, over the latest
+:data:`ACCEPTANCE_WINDOW` rollouts) keeps enough rollouts in flight to fill it in one round
+instead of several (a recipe that drops 68% of its groups as flat needs three rounds at an
+acceptance rate of 1). ``max_num_workers`` still bounds it, and the window's meaning is kept:
+rollouts started beyond the plain cap are the surplus, cancelled when the queue is full
+(their items are rolled out again later).
 """
 
 from __future__ import annotations
@@ -13,6 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "ACCEPTANCE_WINDOW",
+    "MIN_ACCEPTANCE",
+    "acceptance_rate",
     "crossed_multiple",
     "derived_batch_size",
     "min_allocation_satisfied",
@@ -21,6 +34,22 @@ __all__ = [
     "queue_is_full",
     "train_worker_cap",
 ]
+
+
+#: Finished rollouts the acceptance rate is measured over (the latest ones: it follows the
+#: policy as it learns).
+ACCEPTANCE_WINDOW = 32
+#: Lowest acceptance rate the cap divides by: with every group dropped, at most 10x the
+#: missing groups are in flight (``max_num_workers`` bounds it anyway).
+MIN_ACCEPTANCE = 0.1
+
+
+def acceptance_rate(finished_rollouts: int, groups_sent: int) -> float:
+    """Groups sent per finished rollout (``groups sent / groups generated`` when each rollout
+    makes one group), from ``MIN_ACCEPTANCE`` up; 1.0 before any rollout finished."""
+    if finished_rollouts <= 0:
+        return 1.0
+    return max(MIN_ACCEPTANCE, groups_sent / finished_rollouts)
 
 
 def crossed_multiple(old_step: int, new_step: int, interval: int) -> bool:
@@ -125,16 +154,21 @@ def train_worker_cap(
     max_batches_offpolicy: int,
     min_batch_allocation: float | None,
     derived_batch: int,
+    acceptance: float = 1.0,
 ) -> int:
     """How many rollouts may run at once right now.
 
-    At most ``max_num_workers``, and no more than the groups still missing from the
-    off-policy window (``max_batches_offpolicy * derived_batch // group_size - queue_size``).
-    An env with a minimum allocation may go above that to fill its own share.
+    At most ``max_num_workers``, and no more than the rollouts expected to fill the groups
+    still missing from the off-policy window (``max_batches_offpolicy * derived_batch //
+    group_size - queue_size``), given that a rollout yields ``acceptance`` groups on average
+    (:func:`acceptance_rate`; 1.0: one rollout per missing group). An env with a minimum
+    allocation may go above that to fill its own share.
     """
     cap = max_num_workers
     if max_batches_offpolicy > 0:
         window = max_batches_offpolicy * derived_batch // group_size - int(status["queue_size"])
+        if window > 0:
+            window = math.ceil(window / max(acceptance, MIN_ACCEPTANCE) - 1e-9)
         cap = min(cap, window)
     if min_batch_allocation is not None:
         cap = max(
