@@ -46,14 +46,17 @@ def _reload(server: ServeProcess, model: Path, version: int) -> None:
     assert reply.status_code == 200, reply.text
 
 
-def _wait_envs(api: ApiProcess, count: int, procs: list) -> None:
+def _wait_envs(api: ApiProcess, count: int, procs: list, names: set[str] | None = None) -> None:
     # generous: on a loaded 2-core machine an env process takes tens of seconds to start
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         for proc in procs:
             assert proc.poll() is None, f"an env exited with {proc.returncode}"
         envs = httpx.get(api.url + "/metrics", params={"format": "json"}).json().get("envs", [])
-        if sum(1 for e in envs if e.get("connected")) >= count:
+        connected = [e for e in envs if e.get("connected")]
+        if names is not None:
+            connected = [e for e in connected if e["name"].rsplit("_", 1)[0] in names]
+        if len(connected) >= count:
             return
         time.sleep(0.2)
     raise AssertionError("the envs did not register")
@@ -75,7 +78,14 @@ def test_two_envs_evaluate_the_requested_version(tmp_path: Path, tiny_model_dir:
                 start_env(
                     VERSION_ENV,
                     "serve",
-                    *_env_flags(api, server, tiny_model_dir, name, "--env.eval_seconds", "0.5"),
+                    *_env_flags(
+                        api,
+                        server,
+                        tiny_model_dir,
+                        name,
+                        "--env.eval_marker",
+                        str(tmp_path / f"{name}.evals"),
+                    ),
                     log=tmp_path / f"{name}.log",
                     cwd=REPO,
                 )  # fmt: skip
@@ -107,8 +117,38 @@ def test_two_envs_evaluate_the_requested_version(tmp_path: Path, tiny_model_dir:
         assert all("already serves policy version 1" in r["reason"] for r in done["reports"])
 
         # 4. a sync during the evaluation: the result would mix versions, so it is refused
+        for proc in envs:  # from now on each evaluation lasts until the server's version moves
+            stop(proc)
+        envs.clear()
+        for env_id in (0, 1):  # as an operator would for envs that were killed
+            httpx.post(api.url + "/disconnect-env", json={"env_id": env_id})
+        marker = tmp_path / "slow.evals"
+        for name in ("gamma", "delta"):
+            envs.append(
+                start_env(
+                    VERSION_ENV,
+                    "serve",
+                    *_env_flags(
+                        api,
+                        server,
+                        tiny_model_dir,
+                        name,
+                        "--env.eval_marker",
+                        str(marker),
+                        "--env.eval_until_change",
+                        "120",
+                    ),
+                    log=tmp_path / f"{name}.log",
+                    cwd=REPO,
+                )  # fmt: skip
+            )
+        _wait_envs(api, 2, envs, names={"gamma", "delta"})
         slow = client.request_eval(1, step=1)
-        time.sleep(0.2)  # the envs have started (their evaluation lasts 0.5 s)
+        assert len(slow["expected"]) == 2, slow
+        deadline = time.monotonic() + 120
+        while len(marker.read_text().splitlines() if marker.exists() else []) < 2:
+            assert time.monotonic() < deadline, "the envs did not start evaluating"
+            time.sleep(0.1)
         _reload(server, tiny_model_dir, 2)
         done = client.eval_results(slow["request_id"], wait=True, timeout=60)
         assert {r["status"] for r in done["reports"]} <= {"refused"}, done

@@ -17,6 +17,12 @@ from tests.envs.counting_env import CountingConfig, CountingEnv
 
 class VersionEvalConfig(CountingConfig):
     eval_seconds: float = Field(default=0.0, description="Seconds each evaluate() lasts")
+    eval_until_change: float = Field(
+        default=0.0,
+        description="Each evaluate() lasts until the server's version changes, at most this "
+        "many seconds (after eval_seconds)",
+    )
+    eval_marker: str = Field(default="", description="File to append a line to as each starts")
 
 
 class VersionEvalEnv(CountingEnv):
@@ -37,7 +43,16 @@ class VersionEvalEnv(CountingEnv):
         root = server_root(self.server.servers[0].config.base_url)
         async with httpx.AsyncClient() as client:
             version = (await client.get(f"{root}/policy_version")).json()["policy_version"]
-        await asyncio.sleep(self.config.eval_seconds)
+            if self.config.eval_marker:
+                with open(self.config.eval_marker, "a") as f:
+                    f.write(f"{self.config.wandb_name} {version}\n")
+            await asyncio.sleep(self.config.eval_seconds)
+            deadline = asyncio.get_running_loop().time() + self.config.eval_until_change
+            while asyncio.get_running_loop().time() < deadline:
+                now = (await client.get(f"{root}/policy_version")).json()["policy_version"]
+                if now != version:
+                    break
+                await asyncio.sleep(0.1)
         await self.evaluate_log({"eval/run": self.evals, "eval/served_version": version})
 
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.inference.conftest import SERVED_NAME, reference_logprobs
@@ -96,7 +97,12 @@ def test_chat_n_usage_and_logprobs_match_forward_pass(client, tokenizer, referen
     assert served == pytest.approx(expected, abs=2e-3)
 
 
-def test_logprobs_are_raw_not_temperature_scaled(client, reference_model):
+def test_logprobs_are_processed_by_default(client, reference_model):
+    """atropos-serve reports the log-probs of the distribution it sampled from (temperature,
+    top-k and top-p applied, renormalised: ``--logprobs-mode processed_logprobs``, its default;
+    docs/compat.md, Unbiased importance ratios), which the trainer's ``token_logprobs`` replays."""
+    from atroposlib.trainer.tensors import token_logprobs
+
     for temperature in (0.3, 2.0):
         gen = httpx.post(
             str(client.base_url).replace("/v1/", "/generate"),
@@ -111,8 +117,15 @@ def test_logprobs_are_raw_not_temperature_scaled(client, reference_model):
             timeout=60,
         ).json()
         served = [list(item[0].values())[0] for item in gen["logprobs"][0]]
-        expected = reference_logprobs(reference_model, PROMPT_IDS, gen["token_ids"][0])
-        assert served == pytest.approx(expected, abs=2e-3)
+        ids = torch.tensor([PROMPT_IDS + gen["token_ids"][0]])
+        with torch.no_grad():
+            logits = reference_model(ids).logits.float()
+        processed = token_logprobs(
+            logits, ids, torch.tensor([temperature]), torch.tensor([50]), torch.tensor([0.9])
+        )[0, len(PROMPT_IDS) :]
+        assert served == pytest.approx(processed.tolist(), abs=2e-3)
+        raw = reference_logprobs(reference_model, PROMPT_IDS, gen["token_ids"][0])
+        assert served != pytest.approx(raw, abs=2e-3)  # not the model's own distribution
 
 
 def test_generate_matches_upstream_vllm_server_shape(client, reference_model):
