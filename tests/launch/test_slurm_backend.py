@@ -108,7 +108,8 @@ def test_resources_that_cannot_work_are_refused_by_field(tmp_path: Path) -> None
     run = write_run(tmp_path, 1, nodes=2)
     out = subprocess.run(
         [sys.executable, "-m", "atroposlib.cli.launch", str(run), "--backend", "slurm",
-         "--dry-run"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+         "--dry-run"], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SLURM_TEST_KEY": "slurm-test-key"},
     )  # fmt: skip
     assert out.returncode == 2
     assert "slurm.nodes is 2 but bind_host is 127.0.0.1" in out.stderr
