@@ -243,12 +243,19 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("atroposlib.inference").info(
             "compiling the decode step (--compile): the first start takes a few minutes"
         )
-    logging.getLogger("atroposlib.inference").info(
-        "key/value cache budget %.0f MiB (%d bytes per token; --max-cache-memory %s)",
-        engine.cache_memory / (1 << 20),
-        engine.kv_bytes_per_token,
-        args.max_cache_memory,
-    )
+    if engine.kv_bytes_per_token:
+        logging.getLogger("atroposlib.inference").info(
+            "key/value cache budget %.0f MiB (%d bytes per token; --max-cache-memory %s)",
+            engine.cache_memory / (1 << 20),
+            engine.kv_bytes_per_token,
+            args.max_cache_memory,
+        )
+    else:
+        logging.getLogger("atroposlib.inference").warning(
+            "the model's config does not describe its layers (no num_hidden_layers or "
+            "hidden_size): its key/value cache size is unknown, so requests are not admitted "
+            "against --max-cache-memory"
+        )
     warm = engine.warmup()
     engine.start()
     names = args.served_model_name or [args.model]

@@ -211,14 +211,25 @@ class _Sequence:
 
 
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes of key/value cache per token per sequence: keys and values of every layer."""
+    """Bytes of key/value cache per token per sequence: keys and values of every layer.
+
+    A model whose config does not describe attention heads (a custom architecture) is sized
+    as full multi-head attention over ``hidden_size`` (keys and values of ``hidden_size`` each
+    per layer); one with neither gets 0, and its requests are not admitted against the memory
+    budget (logged once at start-up by the caller)."""
     config = model.config
     config = getattr(config, "text_config", None) or config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = next(model.parameters()).dtype
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not layers or not hidden:
+        return 0
+    if not heads:
+        return 2 * layers * hidden * dtype.itemsize
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
 def release_model(model: PreTrainedModel) -> None:
