@@ -120,6 +120,8 @@ def test_dpo_save_messages_shape_and_group_size_check(
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # ~90-175 s (real SmolLM2 generation); per commit, the SFT end-to-end test
+# runs the same env -> run-api -> tool path and test_dpo_pairs_exceed_margin the DPO pairing
 def test_dpo_end_to_end_with_arithmetic_env(
     start_api, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
