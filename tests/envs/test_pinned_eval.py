@@ -37,6 +37,18 @@ def _env_flags(api: ApiProcess, server: ServeProcess, tokenizer: Path, name: str
     )  # fmt: skip
 
 
+def _start(api: ApiProcess, server: ServeProcess, tokenizer: Path, tmp_path: Path, name: str,
+           *extra: str):  # fmt: skip
+    """One ``version_eval_env.py serve`` process named ``name``, logging to tmp_path."""
+    return start_env(
+        VERSION_ENV,
+        "serve",
+        *_env_flags(api, server, tokenizer, name, *extra),
+        log=tmp_path / f"{name}.log",
+        cwd=REPO,
+    )
+
+
 def _reload(server: ServeProcess, model: Path, version: int) -> None:
     reply = httpx.post(
         server.url + "/reload_weights",
@@ -75,19 +87,14 @@ def test_two_envs_evaluate_the_requested_version(tmp_path: Path, tiny_model_dir:
         client.try_batch()  # opens env registration
         for name in ("alpha", "beta"):
             envs.append(
-                start_env(
-                    VERSION_ENV,
-                    "serve",
-                    *_env_flags(
-                        api,
-                        server,
-                        tiny_model_dir,
-                        name,
-                        "--env.eval_marker",
-                        str(tmp_path / f"{name}.evals"),
-                    ),
-                    log=tmp_path / f"{name}.log",
-                    cwd=REPO,
+                _start(
+                    api,
+                    server,
+                    tiny_model_dir,
+                    tmp_path,
+                    name,
+                    "--env.eval_marker",
+                    str(tmp_path / f"{name}.evals"),
                 )  # fmt: skip
             )
         _wait_envs(api, 2, envs)
@@ -125,21 +132,16 @@ def test_two_envs_evaluate_the_requested_version(tmp_path: Path, tiny_model_dir:
         marker = tmp_path / "slow.evals"
         for name in ("gamma", "delta"):
             envs.append(
-                start_env(
-                    VERSION_ENV,
-                    "serve",
-                    *_env_flags(
-                        api,
-                        server,
-                        tiny_model_dir,
-                        name,
-                        "--env.eval_marker",
-                        str(marker),
-                        "--env.eval_until_change",
-                        "120",
-                    ),
-                    log=tmp_path / f"{name}.log",
-                    cwd=REPO,
+                _start(
+                    api,
+                    server,
+                    tiny_model_dir,
+                    tmp_path,
+                    name,
+                    "--env.eval_marker",
+                    str(marker),
+                    "--env.eval_until_change",
+                    "120",
                 )  # fmt: skip
             )
         _wait_envs(api, 2, envs, names={"gamma", "delta"})
@@ -185,16 +187,7 @@ def test_example_trainer_barrier_logs_each_env_s_result_with_its_step(
         tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
         log_path=tmp_path / "serve.log",
     ).start()  # fmt: skip
-    envs = [
-        start_env(
-            VERSION_ENV,
-            "serve",
-            *_env_flags(api, server, tiny_model_dir, name),
-            log=tmp_path / f"{name}.log",
-            cwd=REPO,
-        )  # fmt: skip
-        for name in ("alpha", "beta")
-    ]
+    envs = [_start(api, server, tiny_model_dir, tmp_path, name) for name in ("alpha", "beta")]
     try:
         trainer = subprocess.run(
             [
