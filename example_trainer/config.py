@@ -275,8 +275,11 @@ class TrainingConfig(BaseModel):
     )
     keep_checkpoints: int = Field(
         default=3,
-        ge=1,
-        description="step_N folders kept; older ones are deleted (final_model always stays).",
+        ge=0,
+        description="step_N folders kept; older ones are deleted (final_model always stays). "
+        "0: none: a folder written for a weight sync is deleted once the server has loaded it, "
+        "and the last step is written once, as final_model, without optimizer state (a "
+        "checkpoint_interval step still keeps the newest resumable one).",
     )
     resume: str | None = Field(
         default=None,

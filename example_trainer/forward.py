@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from atroposlib.trainer.tensors import truncate_logits
+from atroposlib.utils.kv_cache import cache_kwargs, output_cache
 from example_trainer.data import MicroBatch
 
 logger = logging.getLogger(__name__)
@@ -144,9 +145,9 @@ def policy_logprobs(
     kwargs: dict[str, Any] = {}
     if mb.prefix_ids is not None:
         prompt = decoder(input_ids=mb.prefix_ids.to(device).unsqueeze(0), use_cache=True)
-        cache = prompt.past_key_values
+        cache = output_cache(prompt)
         cache.batch_repeat_interleave(input_ids.shape[0])
-        kwargs = {"past_key_values": cache, "use_cache": True}
+        kwargs = {**cache_kwargs(decoder, cache), "use_cache": True}
     hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state  # [B, T, H]
     selected = labels != -100
     rows = selected.nonzero(as_tuple=True)[0]

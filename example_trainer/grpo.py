@@ -127,7 +127,8 @@ def train_step(
 
     ``fast``: use the trained-positions-only log-prob path (see ``example_trainer.forward``).
     A batch with nothing to train (every sequence skipped for a zero advantage) takes no
-    optimizer step: AdamW would still move the weights on momentum and weight decay alone.
+    optimizer step: AdamW would still move the weights on momentum and weight decay alone. The
+    learning-rate schedule advances with the optimizer steps (warm-up counts steps taken).
     """
     model.train()
     device = config.device
@@ -167,7 +168,7 @@ def train_step(
     if stepped:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         optimizer.step()
-    scheduler.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if report is not None:
         report.end_step()
@@ -199,15 +200,21 @@ def train(
     on_step: StepCallback | None = None,
     *,
     on_ready: Callable[[], None] | None = None,
-    sync_at_end: bool = False,
+    sync_at_end: bool | None = None,
 ) -> Path:
     """Run GRPO training as configured; returns the folder of the final model.
 
     ``on_ready`` runs once the inference server serves the starting weights and the trainer
     is registered, before the first batch is requested (e.g. to evaluate the base model, then
     start environments). ``on_step`` (see :data:`StepCallback`) lets a caller act on the live
-    weights, e.g. run a held-out evaluation every few steps. ``sync_at_end`` makes the last
-    step sync the server too (a vLLM the trainer launched is otherwise not restarted for it).
+    weights, e.g. run a held-out evaluation every few steps. ``sync_at_end``: whether the last
+    step syncs the server too: True always, False never (a caller that stops the server right
+    after), None (default) when the server outlives the trainer (a vLLM the trainer launched
+    stops with it, so it is not restarted for the last step).
+
+    With ``keep_checkpoints=0`` no ``step_N`` folder stays: one written for a weight sync is
+    deleted once the server has loaded it, and the last step is written once, as
+    ``final_model``, without optimizer state.
     """
     torch.manual_seed(config.seed)
     if config.torch_threads:
@@ -257,6 +264,7 @@ def train(
     #: evaluations pinned to a step's weights, not logged yet: request id -> step
     evals_pending: dict[int, int] = {}
     eval_every = config.eval_every
+    final: Path | None = None
     try:
         launching = config.inference == "vllm" and config.launch_vllm
         log.status("starting the inference server" if launching else "")
@@ -306,22 +314,28 @@ def train(
             last = step == config.training_steps
             # vLLM launched here stops with the trainer: no restart after the last step.
             sync_now = (step % config.weight_sync_interval == 0 or last) and (
-                not last or sync.outlives_trainer or sync_at_end
+                not last or (sync.outlives_trainer if sync_at_end is None else sync_at_end)
             )
             checkpoint_now = (
                 config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0
             )
+            # keep_checkpoints=0: no step_N stays, and the last step is written once, as the
+            # final model
+            final_only = last and config.keep_checkpoints == 0 and not checkpoint_now
             save_seconds = reload_seconds = 0.0
             synced: Path | None = None
             if sync_now or checkpoint_now or last:
                 save_started = time.monotonic()
-                folder = save_checkpoint(step_dir(save_path, step), model, tokenizer, step=step)
+                target = save_path / "final_model" if final_only else step_dir(save_path, step)
+                folder = save_checkpoint(target, model, tokenizer, step=step)
+                final = folder if final_only else None
                 save_seconds = time.monotonic() - save_started
                 if sync_now:
                     log.status(f"step {step}: weight sync ({sync.description})")
                     reload_seconds = sync.sync(folder, policy_version=step)
                     synced = folder
-                if checkpoint_now or last:  # optimizer state only where resuming needs it
+                if (checkpoint_now or last) and not final_only:
+                    # optimizer state only where resuming needs it
                     save_trainer_state(
                         folder,
                         step=step,
@@ -329,7 +343,10 @@ def train(
                         scheduler=scheduler,
                         config=config.model_dump(),
                     )
-                prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
+                if config.keep_checkpoints:
+                    prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
+                else:  # the server has loaded it: nothing needs the folder any more
+                    prune_checkpoints(save_path, 0)
             if paused:
                 sync.resume()
                 paused = False
@@ -372,7 +389,8 @@ def train(
                     evals_pending[int(request["request_id"])] = step
             _collect_evals(api, log, evals_pending, config, wait=config.eval_barrier)
         _collect_evals(api, log, evals_pending, config, wait=True)
-        final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
+        if final is None:
+            final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
         logger.info("final model saved to %s", final)
         return final
     finally:

@@ -92,7 +92,7 @@ class TrainingLogger:
         with open(self.metrics_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         line = (
-            f"step {step}  loss {metrics['loss']:+.4f}  reward {metrics['reward_mean']:+.3f}  "
+            f"step {step}  loss {metrics['loss']:+.3e}  reward {metrics['reward_mean']:+.3f}  "
             + (
                 f"{metrics['tokens_per_s']:.0f} tok/s"
                 if "tokens_per_s" in metrics

@@ -7,7 +7,8 @@ arithmetic_server.py`` by default, offline). Then it trains with the GRPO traine
 process, reloading the server's weights after every step, and writes into the output folder:
 
     OUTPUT/rollouts.jsonl, rollouts.html   what the environment generated and how it scored
-    OUTPUT/checkpoints/step_N               recent checkpoints (loadable by atropos-serve, vLLM)
+    OUTPUT/checkpoints/step_N               the newest resumable checkpoints, with
+                                            --trainer-arg checkpoint_interval=N (recipes set it)
     OUTPUT/final_model                      the trained model
     OUTPUT/metrics.jsonl                    every number: per step loss, reward, entropy,
                                             tokens/s, sync time; held-out evaluations
@@ -165,10 +166,28 @@ def build_parser() -> ModelArgumentParser:
     return parser
 
 
+FIRST_RUN_ENV_ARGS = [
+    "env.max_operand=9",
+    "env.operators=+",
+    "env.few_shot=3",
+    "env.max_answer_tokens=6",
+    "env.num_eval_problems=40",  # held out of the 100 problems these settings allow
+    # a group the model answers all right or all wrong teaches nothing: send only mixed ones
+    "env.ensure_scores_are_not_same=true",
+]
+"""The arithmetic settings of a run without ``--recipe`` (the first one a user makes): easy
+enough that groups of 4 often score differently, so each step trains."""
+
+
 def _recipe_defaults(given: dict[str, Any]) -> dict[str, Any]:
-    """The values of the recipe ``--recipe`` names, under the flags given (none without it)."""
+    """The values of the recipe ``--recipe`` names, under the flags given; without one, the
+    first-run arithmetic settings (``FIRST_RUN_ENV_ARGS``) when the env is the default."""
     recipe = RECIPES.get(str(given.get("recipe")))
-    return recipe.options(str(given.get("trainer") or "grpo")) if recipe is not None else {}
+    if recipe is not None:
+        return recipe.options(str(given.get("trainer") or "grpo"))
+    if given.get("env", "arithmetic") == "arithmetic":
+        return {"env_arg": list(FIRST_RUN_ENV_ARGS)}
+    return {}
 
 
 def _check(options: BaseModel) -> None:
@@ -374,7 +393,9 @@ def run(args: QuickstartOptions) -> int:
                 "save_path": str(checkpoints),
                 "metrics_file": str(metrics_file),
                 "weight_sync_interval": 1,
-                "keep_checkpoints": 2,
+                # only final_model stays unless checkpoints are asked for
+                # (--trainer-arg checkpoint_interval=N; every recipe asks)
+                "keep_checkpoints": 2 if trainer_overrides.get("checkpoint_interval") else 0,
                 "batch_timeout": args.batch_timeout,
                 "use_wandb": args.wandb != "off",
                 "wandb_mode": None if args.wandb == "off" else args.wandb,
@@ -641,7 +662,10 @@ def _summary(
     if not list(out.glob("rollouts*.jsonl")):
         lines.append("  rollouts      (none written)")
     steps = sorted(p.name for p in checkpoints.glob("step_*"))
-    lines.append(f"  checkpoints   {checkpoints}  ({', '.join(steps) or 'none'})")
+    if steps:
+        lines.append(f"  checkpoints   {checkpoints}  ({', '.join(steps)})")
+    else:
+        lines.append("  checkpoints   none kept (--trainer-arg checkpoint_interval=N keeps some)")
     if final is not None:
         lines.append(f"  final model   {final}")
     metrics = out / "metrics.jsonl"

@@ -45,6 +45,7 @@ from atroposlib.inference.sampling import (
     SamplingParams,
     sample_next,
 )
+from atroposlib.utils.kv_cache import cache_kwargs, output_cache
 
 logger = logging.getLogger(__name__)
 
@@ -403,11 +404,11 @@ class GenerationEngine:
                 ids = torch.full((batch, 16), self.tokenizer.eos_token_id or 0, dtype=torch.long)
                 out = self.model(
                     input_ids=ids.to(self.device),
-                    past_key_values=DynamicCache(),
+                    **cache_kwargs(self.model, DynamicCache()),
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = self._fast.batch_cache(out.past_key_values)
+                cache = self._fast.batch_cache(output_cache(out))
                 mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
                 for _ in range(3):
                     # The same call as the scheduler's decode step, so that with ``compile``
@@ -419,11 +420,11 @@ class GenerationEngine:
                         input_ids=ids.new_full((batch, 1), int(ids[0, 0])).to(self.device),
                         attention_mask=mask,
                         position_ids=mask.sum(dim=1, keepdim=True) - 1,
-                        past_key_values=cache,
+                        **cache_kwargs(self.model, cache),
                         use_cache=True,
                         logits_to_keep=1,
                     )
-                    cache = out.past_key_values
+                    cache = output_cache(out)
         return time.monotonic() - started
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -824,7 +825,7 @@ class GenerationEngine:
             prefix = torch.tensor([handles[0].prompt_ids[:shared]], dtype=torch.long)
             self.model(
                 input_ids=prefix.to(self.device),
-                past_key_values=cache,
+                **cache_kwargs(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -848,7 +849,7 @@ class GenerationEngine:
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
+            **cache_kwargs(self.model, cache),
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )
@@ -858,7 +859,7 @@ class GenerationEngine:
 
         rows = [r for r, h in enumerate(handles) for _ in range(h.params.n)]
         index = torch.tensor(rows, dtype=torch.long)
-        cache: DynamicCache = out.past_key_values
+        cache: DynamicCache = output_cache(out)
         cache.batch_select_indices(index.to(self.device))
         mask = mask[index]
         sequences = [
@@ -928,11 +929,11 @@ class GenerationEngine:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=self._cache,
+                **cache_kwargs(self.model, self._cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
-            self._cache = out.past_key_values
+            self._cache = output_cache(out)
             logits = out.logits[:, -1, :].float().cpu()
         self._mask = mask
         tokens, raw_logprobs = self._sample(logits, self._running)

