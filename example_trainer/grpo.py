@@ -190,7 +190,8 @@ def train_step(
 
 StepCallback = Callable[[int, Path | None], dict[str, float] | None]
 """Called after each step once the inference server serves that step's weights (when the step
-synced): ``(step, synced checkpoint folder or None)``; returned numbers join the step's
+synced): ``(step, synced checkpoint folder, save_path when the weights went through shared
+memory, or None when the step did not sync)``; returned numbers join the step's
 metrics."""
 
 
@@ -254,6 +255,7 @@ def train(
     sync.attach(model)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
+    final: Path | None = None
     #: evaluations pinned to a step's weights, not logged yet: request id -> step
     evals_pending: dict[int, int] = {}
     eval_every = config.eval_every
@@ -313,14 +315,16 @@ def train(
             )
             save_seconds = reload_seconds = 0.0
             synced: Path | None = None
-            if sync_now or checkpoint_now or last:
-                save_started = time.monotonic()
-                folder = save_checkpoint(step_dir(save_path, step), model, tokenizer, step=step)
-                save_seconds = time.monotonic() - save_started
-                if sync_now:
-                    log.status(f"step {step}: weight sync ({sync.description})")
-                    reload_seconds = sync.sync(folder, policy_version=step)
-                    synced = folder
+            folder: Path | None = None
+            save_started = time.monotonic()
+            # step_N: at the checkpoint interval, and for a sync that reads a folder (disk);
+            # through shared memory the last step writes final_model only
+            if checkpoint_now or (sync_now and sync.needs_checkpoint) or (last and not final):
+                if last and not checkpoint_now and not (sync_now and sync.needs_checkpoint):
+                    folder = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
+                    final = folder
+                else:
+                    folder = save_checkpoint(step_dir(save_path, step), model, tokenizer, step=step)
                 if checkpoint_now or last:  # optimizer state only where resuming needs it
                     save_trainer_state(
                         folder,
@@ -330,6 +334,15 @@ def train(
                         config=config.model_dump(),
                     )
                 prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
+            save_seconds = time.monotonic() - save_started
+            sync_timings: dict[str, float] = {}
+            if sync_now:
+                log.status(f"step {step}: weight sync ({sync.description})")
+                reload_seconds = sync.sync(
+                    folder if sync.needs_checkpoint else None, policy_version=step
+                )
+                sync_timings = dict(getattr(sync, "last_timings", None) or {})
+                synced = folder if sync.needs_checkpoint and folder is not None else save_path
             if paused:
                 sync.resume()
                 paused = False
@@ -359,6 +372,8 @@ def train(
                     "sync_seconds": save_seconds + reload_seconds,
                     "save_seconds": save_seconds,
                     "reload_seconds": reload_seconds,
+                    **({"sync_through_shm": float(sync.transport == "shm")} if sync_now else {}),
+                    **{f"sync_{k}": v for k, v in sync_timings.items() if k != "sync_seconds"},
                 },
             )
             if synced is not None and eval_every and step % eval_every == 0:
@@ -372,7 +387,8 @@ def train(
                     evals_pending[int(request["request_id"])] = step
             _collect_evals(api, log, evals_pending, config, wait=config.eval_barrier)
         _collect_evals(api, log, evals_pending, config, wait=True)
-        final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
+        if final is None:
+            final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
         logger.info("final model saved to %s", final)
         return final
     finally:
