@@ -164,7 +164,8 @@ class TrainingConfig(BaseModel):
         "(docs/backends.md). vllm: by default the trainer launches `python -m "
         "vllm.entrypoints.openai.api_server` and syncs it as weight_sync says; with "
         "launch_vllm false it syncs the vLLM running at inference_url. atropos-serve: the "
-        "server at inference_url reloads each checkpoint in place (POST /reload_weights). "
+        "server at inference_url takes the new weights in place, through shared memory when it "
+        "runs on this machine, else from a checkpoint folder (weight_sync_transport). "
         "sglang: the SGLang server at inference_url loads each checkpoint in place (POST "
         "/update_weights_from_disk). trl-vllm-serve: the `trl vllm-serve` at inference_url, "
         "synced as weight_sync says (reload or nccl). none: only checkpoints are written.",
@@ -186,6 +187,16 @@ class TrainingConfig(BaseModel):
         "checkpoint (upstream; any vLLM version; only a vLLM the trainer launches). nccl: the "
         "trainer broadcasts its weights to vLLM's workers over NCCL (vLLM's weight-transfer "
         "API; GPUs only, no checkpoint read back).",
+    )
+    weight_sync_transport: Literal["auto", "shm", "disk"] = Field(
+        default="auto",
+        description="How atropos-serve gets the weights (inference atropos-serve). auto: "
+        "shared memory when inference_url is this machine (loopback or its own name), else "
+        "disk. shm: the trainer writes its parameters into /dev/shm and the server copies "
+        "them into its model in place (POST /load_weights_from_shm; no checkpoint written for "
+        "the sync; same machine only). disk: the trainer writes a checkpoint folder each sync "
+        "and the server reloads it (POST /reload_weights; for a server on another machine "
+        "that sees the trainer's folder).",
     )
     weight_sync_interval: int = Field(
         default=3,
@@ -270,8 +281,9 @@ class TrainingConfig(BaseModel):
     checkpoint_interval: int = Field(
         default=0,
         ge=0,
-        description="Steps between resumable checkpoints (model + optimizer + step); "
-        "0: only the final one.",
+        description="Steps between resumable checkpoints (step_N: model + optimizer + step); "
+        "0: only the final one (final_model, also resumable). Weight syncs through shared "
+        "memory write no checkpoint; syncs through disk write step_N.",
     )
     keep_checkpoints: int = Field(
         default=3,

@@ -191,7 +191,8 @@ def train_step(
 
 StepCallback = Callable[[int, Path | None], dict[str, float] | None]
 """Called after each step once the inference server serves that step's weights (when the step
-synced): ``(step, synced checkpoint folder or None)``; returned numbers join the step's
+synced): ``(step, synced checkpoint folder, save_path when the weights went through shared
+memory, or None when the step did not sync)``; returned numbers join the step's
 metrics."""
 
 
@@ -261,6 +262,7 @@ def train(
     sync.attach(model)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
+    final: Path | None = None
     #: evaluations pinned to a step's weights, not logged yet: request id -> step
     evals_pending: dict[int, int] = {}
     eval_every = config.eval_every
@@ -319,23 +321,25 @@ def train(
             checkpoint_now = (
                 config.checkpoint_interval > 0 and step % config.checkpoint_interval == 0
             )
-            # keep_checkpoints=0: no step_N stays, and the last step is written once, as the
-            # final model
-            final_only = last and config.keep_checkpoints == 0 and not checkpoint_now
             save_seconds = reload_seconds = 0.0
             synced: Path | None = None
-            if sync_now or checkpoint_now or last:
-                save_started = time.monotonic()
-                target = save_path / "final_model" if final_only else step_dir(save_path, step)
+            folder: Path | None = None
+            disk_sync = sync_now and sync.needs_checkpoint
+            save_started = time.monotonic()
+            # A folder is written at the checkpoint interval, for a sync that reads one (disk)
+            # and at the end. The end writes final_model itself unless a step_N is wanted there
+            # (checkpoint interval, or a disk sync whose copies are kept).
+            if checkpoint_now or disk_sync or last:
+                as_final = (
+                    last and not checkpoint_now and (not disk_sync or config.keep_checkpoints == 0)
+                )
+                target = save_path / "final_model" if as_final else step_dir(save_path, step)
                 folder = save_checkpoint(target, model, tokenizer, step=step)
-                final = folder if final_only else None
-                save_seconds = time.monotonic() - save_started
-                if sync_now:
-                    log.status(f"step {step}: weight sync ({sync.description})")
-                    reload_seconds = sync.sync(folder, policy_version=step)
-                    synced = folder
-                if (checkpoint_now or last) and not final_only:
-                    # optimizer state only where resuming needs it
+                if as_final:
+                    final = folder
+                # optimizer state only where resuming needs it; keep_checkpoints=0 asks for
+                # the smallest footprint (the model alone)
+                if checkpoint_now or (last and config.keep_checkpoints != 0):
                     save_trainer_state(
                         folder,
                         step=step,
@@ -345,8 +349,17 @@ def train(
                     )
                 if config.keep_checkpoints:
                     prune_checkpoints(save_path, config.keep_checkpoints, protect={folder})
-                else:  # the server has loaded it: nothing needs the folder any more
-                    prune_checkpoints(save_path, 0)
+            save_seconds = time.monotonic() - save_started
+            sync_timings: dict[str, float] = {}
+            if sync_now:
+                log.status(f"step {step}: weight sync ({sync.description})")
+                reload_seconds = sync.sync(folder if disk_sync else None, policy_version=step)
+                sync_timings = dict(getattr(sync, "last_timings", None) or {})
+                synced = folder if disk_sync and folder is not None else save_path
+            if not config.keep_checkpoints and folder is not None:
+                # keep_checkpoints=0: the server has loaded the copy, nothing needs it any more
+                # (the newest resumable checkpoint is always kept)
+                prune_checkpoints(save_path, 0)
             if paused:
                 sync.resume()
                 paused = False
@@ -376,6 +389,8 @@ def train(
                     "sync_seconds": save_seconds + reload_seconds,
                     "save_seconds": save_seconds,
                     "reload_seconds": reload_seconds,
+                    **({"sync_through_shm": float(sync.transport == "shm")} if sync_now else {}),
+                    **{f"sync_{k}": v for k, v in sync_timings.items() if k != "sync_seconds"},
                 },
             )
             if synced is not None and eval_every and step % eval_every == 0:

@@ -66,6 +66,8 @@ def make_weight_sync(config: TrainingConfig) -> WeightSync:
         return _launched_vllm(config)
     options: dict[str, Any] = {}
     weight_path = None
+    if config.inference == "atropos-serve":
+        options["transport"] = config.weight_sync_transport
     if config.inference in ("vllm", "trl-vllm-serve"):
         options["served_model_name"] = config.model_alias
         weight_path = config.weight_sync

@@ -31,15 +31,18 @@ without a restart") explains the choices for vLLM.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -91,6 +94,12 @@ class WeightSync:
     follows; this base class does nothing)."""
 
     description = "none"
+    needs_checkpoint = True
+    """Whether :meth:`sync` reads a checkpoint folder the trainer wrote (False: it sends the
+    weights of the model given to :meth:`attach` some other way, and takes ``None``)."""
+    transport = "disk"
+    """How the last or next sync reaches the server: ``"disk"`` (a checkpoint folder),
+    ``"shm"`` (shared memory on the same machine), ``"nccl"``, ``"none"``."""
     outlives_trainer = True
     """Whether the server keeps running after the trainer exits (worth a final sync)."""
     policy_version: int | None = None
@@ -116,9 +125,12 @@ class WeightSync:
         """The model being trained, for clients that send its tensors directly (the others
         ignore it)."""
 
-    def sync(self, checkpoint: str | os.PathLike[str], policy_version: int | None = None) -> float:
+    def sync(
+        self, checkpoint: str | os.PathLike[str] | None, policy_version: int | None = None
+    ) -> float:
         """Make the inference server serve ``checkpoint``, the weights of trainer step
-        ``policy_version``; returns the seconds it took."""
+        ``policy_version``; returns the seconds it took. ``checkpoint`` may be None where
+        :attr:`needs_checkpoint` is False (the attached model's weights are sent)."""
         self.policy_version = policy_version
         return 0.0
 
@@ -141,6 +153,8 @@ class WeightSync:
 
 class NoSync(WeightSync):
     """Checkpoints only; the inference server (if any) is not touched."""
+
+    transport = "none"
 
 
 def vllm_command(
@@ -699,18 +713,88 @@ class _RunningServerReload(WeightSync):
             self.sync(Path(str(model)), policy_version)
 
 
-class AtroposServeReload(_RunningServerReload):
-    """Hot reload on a running ``atropos-serve``: ``POST {url}/reload_weights {"path": ...}``.
+def same_host(url: str) -> bool:
+    """Whether the server at ``url`` runs on this machine (a loopback address, or this
+    machine's own name or address)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    try:
+        own = {socket.gethostname(), socket.getfqdn()}
+        if host in own:
+            return True
+        return host in {socket.gethostbyname(name) for name in own}
+    except OSError:
+        return False
 
-    The reply comes once the new weights are live; requests in flight finish on the old ones.
-    The body carries ``"policy_version"`` when the trainer gives one.
+
+TRANSPORTS = ("auto", "shm", "disk")
+
+
+class AtroposServeReload(_RunningServerReload):
+    """Weight sync of a running ``atropos-serve``, through shared memory or a checkpoint.
+
+    - ``shm`` (shared memory): the attached model's parameters are written into a segment in
+      ``/dev/shm`` (:class:`~atroposlib.utils.shm_weights.SharedWeightsWriter`, reused from one
+      sync to the next) and ``POST {url}/load_weights_from_shm {"shm_path", "policy_version"}``
+      copies them into the served model in place. No checkpoint is needed: :meth:`sync` takes
+      ``None``. Only for a server on this machine.
+    - ``disk``: ``POST {url}/reload_weights {"path": CHECKPOINT}``: the server loads the
+      checkpoint folder the trainer wrote (a path it must see).
+
+    ``transport="auto"`` (the default) picks ``shm`` when a model is attached and the server
+    is on this machine (:func:`same_host`), else ``disk``; :attr:`transport` says which.
+    Either way the reply comes once the new weights are live; requests in flight finish on the
+    old ones. The body carries ``"policy_version"`` when the trainer gives one.
     """
 
-    description = "atropos-serve reload"
     start_hint = "atropos-serve --model ... --port ..."
     reports_policy_version = True
 
-    def sync(self, checkpoint: str | os.PathLike[str], policy_version: int | None = None) -> float:
+    def __init__(self, url: str, *, transport: str = "auto", **options: Any) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        super().__init__(url, **options)
+        self.requested_transport = transport
+        self._model: Any = None
+        self._writer: Any = None
+        self.last_timings: dict[str, float] = {}
+
+    @property
+    def transport(self) -> str:  # type: ignore[override]
+        if self._model is None or self.requested_transport == "disk":
+            return "disk"
+        if self.requested_transport == "shm" or same_host(self.url):
+            return "shm"
+        return "disk"
+
+    @property
+    def needs_checkpoint(self) -> bool:  # type: ignore[override]
+        return self.transport != "shm"
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        if self.transport == "shm":
+            return "atropos-serve load from shared memory"
+        return "atropos-serve reload"
+
+    def attach(self, model: Any) -> None:
+        """The model being trained: its weights go through shared memory where
+        :attr:`transport` allows."""
+        self._model = model
+
+    def sync(
+        self, checkpoint: str | os.PathLike[str] | None, policy_version: int | None = None
+    ) -> float:
+        if self.transport == "shm":
+            return self._sync_shm(policy_version)
+        if checkpoint is None:
+            raise ValueError("atropos-serve reload through disk needs a checkpoint folder")
         started = time.monotonic()
         body: dict[str, Any] = {"path": str(Path(checkpoint).resolve())}
         if policy_version is not None:
@@ -725,7 +809,45 @@ class AtroposServeReload(_RunningServerReload):
         )
         self.last_reply = response.json()
         self.policy_version = policy_version
-        return time.monotonic() - started
+        seconds = time.monotonic() - started
+        self.last_timings = {"sync_seconds": seconds}
+        return seconds
+
+    def _sync_shm(self, policy_version: int | None) -> float:
+        from atroposlib.utils.shm_weights import SharedWeightsWriter, unique_parameters
+
+        started = time.monotonic()
+        if self._writer is None:
+            self._writer = SharedWeightsWriter()
+        path = self._writer.write(unique_parameters(self._model))
+        written = time.monotonic()
+        body: dict[str, Any] = {"shm_path": str(path)}
+        if policy_version is not None:
+            body["policy_version"] = policy_version
+        response = _request(
+            "POST",
+            self.url + "/load_weights_from_shm",
+            "atropos-serve load from shared memory",
+            timeout=self.timeout,
+            api_key=self.api_key,
+            ok=lambda r: r.status_code == 200,
+            json=body,
+        )
+        self.last_reply = response.json()
+        self.policy_version = policy_version
+        seconds = time.monotonic() - started
+        self.last_timings = {
+            "sync_seconds": seconds,
+            "shm_write_seconds": written - started,
+            "server_seconds": float(self.last_reply.get("total_seconds", 0.0)),
+        }
+        return seconds
+
+    def close(self) -> None:
+        """Delete the shared-memory segment (the server keeps running)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def pause(self, mode: str = "abort") -> None:
         """``POST /pause?mode=MODE``: nothing generates until :meth:`resume`."""
@@ -798,7 +920,18 @@ class MultiServerSync(WeightSync):
         if not clients:
             raise ValueError("MultiServerSync needs at least one client")
         self.clients = list(clients)
-        self.description = f"{clients[0].description} x{len(clients)}"
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        return f"{self.clients[0].description} x{len(self.clients)}"
+
+    @property
+    def needs_checkpoint(self) -> bool:  # type: ignore[override]
+        return any(client.needs_checkpoint for client in self.clients)
+
+    @property
+    def transport(self) -> str:  # type: ignore[override]
+        return "+".join(sorted({client.transport for client in self.clients}))
 
     @property
     def outlives_trainer(self) -> bool:  # type: ignore[override]
@@ -834,7 +967,9 @@ class MultiServerSync(WeightSync):
         for client in self.clients:
             client.attach(model)
 
-    def sync(self, checkpoint: str | os.PathLike[str], policy_version: int | None = None) -> float:
+    def sync(
+        self, checkpoint: str | os.PathLike[str] | None, policy_version: int | None = None
+    ) -> float:
         seconds = self._each(lambda c: c.sync(checkpoint, policy_version))
         self.policy_version = policy_version
         return max(seconds)

@@ -149,6 +149,7 @@ class VLLMWeightTransfer(VLLMReload):
     """
 
     description = "vLLM NCCL weight transfer"
+    transport = "nccl"
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,21 @@ class ReloadInfo:
     live_at: float
     drain_seconds: float
     """How long in-flight sequences took to finish on the old weights."""
+    copy_seconds: float = 0.0
+    """In-place updates (:meth:`GenerationEngine.request_update`): copying the new tensors into
+    the served parameters."""
+    prepare_seconds: float = 0.0
+    """In-place updates: re-packing the fast path's weight copies from the new weights."""
+    outgoing: Any = None
+    """``request_reload(..., keep_outgoing=True)``: the model swapped out (its fast path
+    released), for the caller to reuse; else None."""
+
+
+@dataclass
+class _InPlaceUpdate:
+    """New values for the served model's parameters, copied in when the batch has drained."""
+
+    tensors: dict[str, torch.Tensor]
 
 
 class RequestHandle:
@@ -331,9 +347,10 @@ class GenerationEngine:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
         self._pending_reload: (
-            tuple[fastpath.PreparedModel, concurrent.futures.Future, float] | None
+            tuple[fastpath.PreparedModel | _InPlaceUpdate, concurrent.futures.Future, float] | None
         ) = None
         self._drain_started: float | None = None
+        self._keep_outgoing = False
         # pause/resume (vLLM's RL API): the mode asked for, whether the pause is in effect yet,
         # and the callers waiting for it to be
         self._pause_mode: str | None = None
@@ -586,7 +603,9 @@ class GenerationEngine:
         model.eval()
         return fastpath.prepare(model, self._fast_options)
 
-    def request_reload(self, model: PreTrainedModel) -> concurrent.futures.Future[ReloadInfo]:
+    def request_reload(
+        self, model: PreTrainedModel, *, keep_outgoing: bool = False
+    ) -> concurrent.futures.Future[ReloadInfo]:
         """Swap in ``model`` once the sequences in flight have finished on the old weights.
 
         New requests wait (they are not rejected) while the old batch drains; the returned
@@ -604,9 +623,66 @@ class GenerationEngine:
             if self._pending_reload is not None:
                 raise RuntimeError("a weight reload is already in progress")
             self._pending_reload = (prepared, future, time.time())
+            self._keep_outgoing = keep_outgoing
             self._drain_started = time.monotonic()
             self._cond.notify()
         return future
+
+    def check_update(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` naming the first weight of ``tensors`` that does not fit the
+        served model (unknown name, other shape, or a parameter it leaves out that is not tied
+        to one it gives)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        given: set[int] = set()
+        for name, tensor in tensors.items():
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"the served model has no parameter {name!r}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)}, the served model's is "
+                    f"{tuple(param.shape)}"
+                )
+            given.add(param.data_ptr())
+        missing = [n for n, p in params.items() if n not in tensors and p.data_ptr() not in given]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameters of the served model are missing, e.g. {missing[0]!r}"
+            )
+
+    def request_update(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> concurrent.futures.Future[ReloadInfo]:
+        """Copy ``tensors`` (parameter name -> new value, any dtype: converted to the served
+        one) into the served model in place, once the sequences in flight have finished on the
+        old weights (as :meth:`request_reload`); then the fast path's packed copies are rebuilt.
+
+        Parameters tied to one in ``tensors`` (an LM head sharing the embeddings) follow it.
+        ``ValueError`` (nothing changed) when the names or shapes do not fit
+        (:meth:`check_update`).
+        """
+        self.check_update(tensors)
+        future: concurrent.futures.Future[ReloadInfo] = concurrent.futures.Future()
+        with self._cond:
+            if self._pending_reload is not None:
+                raise RuntimeError("a weight reload is already in progress")
+            self._pending_reload = (_InPlaceUpdate(tensors), future, time.time())
+            self._drain_started = time.monotonic()
+            self._cond.notify()
+        return future
+
+    def _copy_in_place(self, update: _InPlaceUpdate) -> tuple[float, float]:
+        started = time.monotonic()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.inference_mode(False), torch.no_grad():
+            for name, tensor in update.tensors.items():
+                params[name].copy_(tensor)
+        copied = time.monotonic()
+        if not self.compiled:
+            # compiled graphs read the parameters themselves; the eager fast path's packed
+            # copies and fused projections are rebuilt from the new values
+            self._fast = fastpath.refresh(self._fast)
+        return copied - started, time.monotonic() - copied
 
     # ------------------------------------------------------------------ scheduler
 
@@ -652,9 +728,18 @@ class GenerationEngine:
         if self._pending_reload is None or (self._running and self._pause_mode != "keep"):
             return
         prepared, future, requested_at = self._pending_reload
-        model = prepared.model
         drained = time.monotonic() - (self._drain_started or time.monotonic())
-        if self.compiled:
+        copy_seconds = prepare_seconds = 0.0
+        kept = None
+        if isinstance(prepared, _InPlaceUpdate):
+            try:
+                copy_seconds, prepare_seconds = self._copy_in_place(prepared)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._pending_reload = None
+                future.set_exception(exc)
+                return
+        elif self.compiled:
+            model = prepared.model
             # Copy the weights into the compiled module in place: its graphs stay valid, so a
             # reload costs a copy, not another compilation.
             with torch.inference_mode(False), torch.no_grad():
@@ -662,10 +747,13 @@ class GenerationEngine:
             release_model(model)
         else:
             # request_reload prepared its fast path.
+            model = prepared.model
             outgoing = self.model
             self.model = self._decode_model = model
             self._fast = prepared
             release_model(outgoing)
+            if self._keep_outgoing:
+                kept = outgoing
         self.weights_version += 1
         self._pending_reload = None
         info = ReloadInfo(
@@ -673,6 +761,9 @@ class GenerationEngine:
             requested_at=requested_at,
             live_at=time.time(),
             drain_seconds=drained,
+            copy_seconds=copy_seconds,
+            prepare_seconds=prepare_seconds,
+            outgoing=kept,
         )
         future.set_result(info)
 

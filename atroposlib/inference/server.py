@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -74,6 +74,7 @@ from atroposlib.utils.http_guard import (
     read_body,
 )
 from atroposlib.utils.http_security import HttpSecurityMiddleware, replay_body
+from atroposlib.utils.shm_weights import SegmentError, read_segment
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,16 @@ class ServerState:
     """Host header names served (``loopback_hosts``); None: no Host check (bound to all)."""
     cors_origins: tuple[str, ...] = ()
     """Origins whose pages may read answers and send requests (never with credentials)."""
+    spare_model: Any = None
+    """The model the last shared-memory load swapped out, reused by the next one (the new
+    weights are copied into it and it is prepared while the current one serves)."""
+    folder_source: str = ""
+    """The last checkpoint folder served (``model_source`` at start, then each
+    ``/reload_weights``): where the first shared-memory load gets its spare model."""
     _max_prompt_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        self.folder_source = self.folder_source or self.model_source
 
     @property
     def tokenizer(self) -> Any:
@@ -189,6 +199,23 @@ class ReloadBody(ReloadRequest):
     """``POST /reload_weights``: the checkpoint folder, and optionally the policy version (the
     trainer step) its weights are; without one the served version goes up by 1."""
 
+    policy_version: PolicyVersion | None = Field(
+        default=None,
+        description="Trainer step of these weights, reported at GET /policy_version once they "
+        "are live. Default: the current version + 1.",
+    )
+
+
+class ShmLoadBody(BaseModel):
+    """``POST /load_weights_from_shm``: a shared-memory segment on this host holding the new
+    parameters (:mod:`atroposlib.utils.shm_weights`), and optionally their policy version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shm_path: str = Field(
+        description="Path of the segment (a file in /dev/shm) the trainer wrote the weights "
+        "into; it must exist on the server's machine."
+    )
     policy_version: PolicyVersion | None = Field(
         default=None,
         description="Trainer step of these weights, reported at GET /policy_version once they "
@@ -491,7 +518,10 @@ def create_app(state: ServerState) -> FastAPI:
                 release_model(model)
                 raise APIError(400, str(exc), param="path") from exc
             info = await asyncio.wrap_future(future)
-            state.model_source = str(path)
+            state.model_source = state.folder_source = str(path)
+            if state.spare_model is not None:  # another architecture's spare is no use
+                release_model(state.spare_model)
+                state.spare_model = None
             state.policy_version = (
                 body.policy_version if body.policy_version is not None else state.policy_version + 1
             )
@@ -510,7 +540,86 @@ def create_app(state: ServerState) -> FastAPI:
             logger.info("reloaded weights from %s: %s", path, state.last_reload)
             return state.last_reload
 
+    @app.post("/load_weights_from_shm")
+    async def load_weights_from_shm(body: ShmLoadBody) -> dict[str, Any]:
+        """Copy new weights from a shared-memory segment into the served model, in place.
+
+        For a trainer on the same machine: no checkpoint on disk, no model loaded, the served
+        parameters take the segment's values (converted to the served dtype; tied ones follow).
+        As ``/reload_weights``: sequences in flight finish on the old weights, the reply and
+        the new ``policy_version`` come once the new ones are live. A segment that does not
+        exist here (trainer on another machine) or does not fit the model is a 400 naming
+        ``shm_path``; the served weights are then unchanged.
+        """
+        assert state.reload_lock is not None
+        async with state.reload_lock:
+            requested = time.time()
+            started = time.monotonic()
+            try:
+                tensors = read_segment(body.shm_path)
+                state.engine.check_update(tensors)
+            except (SegmentError, ValueError) as exc:
+                raise APIError(400, f"shm_path: {exc}", param="shm_path") from exc
+            copy_seconds = prepare_seconds = 0.0
+            if state.engine.compiled:
+                # compiled graphs keep the served parameters: copy into them once drained
+                future = state.engine.request_update(tensors)
+            else:
+                # double buffer: fill the spare model and prepare its fast path while the
+                # current one serves, then swap (as /reload_weights, without from_pretrained)
+                spare, state.spare_model = state.spare_model, None
+                if spare is None:
+                    spare = await _in_own_thread(load_weights, state.folder_source, state.dtype)
+                try:
+                    copy_seconds, prepare_seconds = await _in_own_thread(
+                        _fill_model, state.engine, spare, tensors
+                    )
+                    future = state.engine.request_reload(spare, keep_outgoing=True)
+                except ValueError as exc:
+                    release_model(spare)
+                    raise APIError(400, f"shm_path: {exc}", param="shm_path") from exc
+            info = await asyncio.wrap_future(future)
+            del tensors  # the mapping closes with the last view
+            state.spare_model = info.outgoing
+            copy_seconds = copy_seconds or info.copy_seconds
+            prepare_seconds = prepare_seconds or info.prepare_seconds
+            state.model_source = f"shm:{body.shm_path}"
+            state.policy_version = (
+                body.policy_version if body.policy_version is not None else state.policy_version + 1
+            )
+            state.last_reload = {
+                "status": "ok",
+                "model": state.served_model_names[0],
+                "path": body.shm_path,
+                "source": "shm",
+                "weights_version": info.weights_version,
+                "policy_version": state.policy_version,
+                "requested_at": requested,
+                "live_at": info.live_at,
+                "copy_seconds": round(copy_seconds, 4),
+                "prepare_seconds": round(prepare_seconds, 4),
+                "drain_seconds": round(info.drain_seconds, 4),
+                "total_seconds": round(time.monotonic() - started, 4),
+            }
+            logger.info("loaded weights from %s: %s", body.shm_path, state.last_reload)
+            return state.last_reload
+
     return app
+
+
+def _fill_model(
+    engine: GenerationEngine, model: Any, tensors: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """Copy ``tensors`` into ``model``'s parameters (tied ones follow; converted to its dtype),
+    then prepare its fast path; seconds of each."""
+    started = time.monotonic()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    copied = time.monotonic()
+    engine.prepare_model(model)
+    return copied - started, time.monotonic() - copied
 
 
 # ---------------------------------------------------------------------- middleware

@@ -317,8 +317,11 @@ def test_trainer_env_and_server_end_to_end(
         for line in ("step 1", "step 3", "sync"):
             assert line in trainer.stderr
 
-        assert (save_path / "step_3" / "model.safetensors").is_file()
-        assert (save_path / "step_3" / "trainer_state.pt").is_file()
+        # a server on loopback is synced through shared memory: no step_N folder per sync,
+        # the end writes final_model only (resumable)
+        assert all(m["sync_through_shm"] == 1.0 for m in metrics)
+        assert not list(save_path.glob("step_*"))
+        assert (save_path / "final_model" / "trainer_state.pt").is_file()
         initial = load_file(tiny_model_dir / "model.safetensors")
         final = load_file(save_path / "final_model" / "model.safetensors")
         changed = [k for k in initial if not (initial[k] == final[k]).all()]
@@ -427,7 +430,8 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     assert (out / "rollouts.jsonl").stat().st_size > 0
     page = (out / "rollouts.html").read_text()
     assert "step 0 &middot;" in page and "mean score" in page  # group headers
-    # no checkpoint was asked for: the sync copies are gone, only final_model stays
+    # no checkpoint was asked for and atropos-serve on loopback is synced through shared
+    # memory: no step_N per sync, only final_model (keep_checkpoints=0: without optimizer state)
     assert not list((out / "checkpoints").glob("step_*"))
     assert (out / "final_model" / "config.json").is_file()
     assert not (out / "final_model" / "trainer_state.pt").exists()

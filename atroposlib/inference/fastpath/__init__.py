@@ -31,7 +31,7 @@ from .attention import append_cache, use_decode_attention
 from .lean_decode import LeanDecoder
 from .packed_linear import pack_linear_weights, unpack_linear_weights
 
-__all__ = ["FastPathOptions", "PreparedModel", "prepare", "release"]
+__all__ = ["FastPathOptions", "PreparedModel", "prepare", "refresh", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,34 @@ def prepare(
     model.__dict__[_ATTRIBUTE] = prepared
     _log(f"{type(model).__name__}: {reason}")
     return prepared
+
+
+def refresh(prepared: PreparedModel) -> PreparedModel:
+    """``prepared`` after its model's weights were changed in place: the packed copies and the
+    lean step's fused projections are rebuilt from the new values (the attention choice
+    stays). Until then packed layers multiply unpacked and the lean step stands aside, so
+    results are never stale, only slower."""
+    model, options = prepared.model, prepared.options
+    if prepared.lean is not None:
+        prepared.lean.__dict__.clear()
+    full = options.enabled and not options.compiled
+    packed = pack_linear_weights(model) if full else 0
+    lean, lean_why = None, "lean_decode is off"
+    if full and options.lean:
+        lean, lean_why = LeanDecoder.try_build(model)
+    fresh = PreparedModel(
+        model=model,
+        options=options,
+        decode_attention=prepared.decode_attention,
+        append_cache=prepared.append_cache,
+        packed_layers=packed,
+        lean=lean,
+        reason=_describe(
+            model, options, prepared.decode_attention, packed, lean is not None, lean_why
+        ),
+    )
+    model.__dict__[_ATTRIBUTE] = fresh
+    return fresh
 
 
 def release(model: PreTrainedModel) -> None:

@@ -1,0 +1,179 @@
+"""Model weights handed between processes of one machine through shared memory.
+
+The trainer writes its parameters into one file in ``/dev/shm`` (a tmpfs: RAM, never a disk)
+laid out as a safetensors file (8-byte header length, JSON header of names, dtypes, shapes and
+offsets, then the raw tensors), and tells ``atropos-serve`` its path
+(``POST /load_weights_from_shm``). The server maps the file and copies each tensor straight
+into its model's parameters: one copy on each side, no serialisation, no ``from_pretrained``.
+The file is reused from one sync to the next (its pages stay allocated) and removed by
+:meth:`SharedWeightsWriter.close`.
+
+Tied parameters (an LM head sharing the input embeddings) are written once, under the first
+name ``named_parameters()`` gives them; the reader's model ties them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import uuid
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+"""Where segments are created (Linux's shared-memory tmpfs)."""
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_ALIGN = 64
+
+
+class SegmentError(ValueError):
+    """The segment is missing, unreadable or not a weights segment."""
+
+
+def unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each parameter once (tied ones under their first name)."""
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+class SharedWeightsWriter:
+    """Writes a model's parameters into a shared-memory segment, reused across writes."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str] = SHM_DIR, prefix: str = "atropos"
+    ) -> None:
+        self.path = Path(directory) / f"{prefix}-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._map: mmap.mmap | None = None
+        self._views: list[torch.Tensor] = []
+        self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def write(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
+        """Copy ``tensors`` (``(name, tensor)`` pairs) into the segment; returns its path.
+
+        The first write (or one whose names, shapes or dtypes changed) lays the file out; later
+        writes only copy.
+        """
+        items = [(name, t.detach()) for name, t in tensors]
+        layout = [(name, t.dtype, tuple(t.shape)) for name, t in items]
+        if layout != self._layout or self._map is None:
+            self._lay_out(items)
+            self._layout = layout
+        with torch.no_grad():
+            for view, (_, tensor) in zip(self._views, items, strict=True):
+                view.copy_(tensor.reshape(view.shape))
+        return self.path
+
+    def _lay_out(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self._release()
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, t in items:
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"{name}: dtype {t.dtype} cannot be written to a segment")
+            size = t.numel() * t.element_size()
+            header[name] = {
+                "dtype": _DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += -(-size // _ALIGN) * _ALIGN if size else 0
+        raw = json.dumps(header).encode()
+        # pad so that the data starts aligned (spaces are valid JSON padding)
+        raw += b" " * (-(8 + len(raw)) % _ALIGN)
+        start = 8 + len(raw)
+        total = start + offset
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            self._map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self._map[:8] = struct.pack("<Q", len(raw))
+        self._map[8:start] = raw
+        buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._views = []
+        for name, t in items:
+            begin, end = header[name]["data_offsets"]  # type: ignore[index]
+            self._views.append(buffer[start + begin : start + end].view(t.dtype).view(t.shape))
+
+    def _release(self) -> None:
+        self._views = []
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still alive elsewhere: the mapping goes with it
+                pass
+            self._map = None
+
+    def close(self) -> None:
+        """Unmap and delete the segment."""
+        self._release()
+        self._layout = []
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def read_segment(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of segment ``path``, as views of the mapped file (no copy). They stay valid
+    while referenced (the mapping lives as long as they do)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SegmentError(
+            f"no shared-memory segment {path} on this host (the trainer must run on the same "
+            "machine; otherwise sync through a checkpoint folder, POST /reload_weights)"
+        ) from None
+    except OSError as exc:
+        raise SegmentError(f"cannot open segment {path}: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise SegmentError(f"{path} is not a weights segment ({size} bytes)")
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    (length,) = struct.unpack("<Q", mapped[:8])
+    if 8 + length > size:
+        raise SegmentError(f"{path} is not a weights segment (header past the end)")
+    try:
+        header = json.loads(mapped[8 : 8 + length])
+    except ValueError as exc:
+        raise SegmentError(f"{path} is not a weights segment (header: {exc})") from None
+    start = 8 + length
+    # a read-only mapping: torch warns that the buffer is not writable; the views are only read
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(mapped, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _NAMES[entry["dtype"]]
+            begin, end = entry["data_offsets"]
+            shape = tuple(int(s) for s in entry["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SegmentError(f"{path}: bad entry for {name}: {exc}") from None
+        if start + end > size or begin > end:
+            raise SegmentError(f"{path}: {name} lies past the end of the segment")
+        tensors[name] = data[start + begin : start + end].view(dtype).view(shape)
+    return tensors

@@ -1,0 +1,114 @@
+"""Weight sync per step, disk vs shared memory, against a real atropos-serve on this machine.
+
+    python bench/weight_sync_bench.py --rounds 5
+
+Starts ``atropos-serve`` (SmolLM2-135M-Instruct, float32, loopback), loads the same model as
+the trainer would, and alternates the two paths for ``--rounds`` rounds, changing the weights
+before each sync:
+
+- disk: ``save_checkpoint`` (what the example trainer writes) + ``POST /reload_weights``;
+- memory: write the parameters into ``/dev/shm`` + ``POST /load_weights_from_shm`` (copy into
+  the served model in place, re-pack the fast path).
+
+Each figure is the trainer's wall time from "weights ready" to "the server answered that the new
+weights serve requests" (the reply of the sync request), the server idle meanwhile. Prints one
+JSON line per sync and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from atroposlib.backends.weight_sync import AtroposServeReload
+    from atroposlib.inference.models import resolve_model_source
+    from example_trainer.checkpoint import save_checkpoint
+
+    source = resolve_model_source(args.model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    work = Path(tempfile.mkdtemp(prefix="sync-bench-"))
+    log = open(work / "serve.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "atroposlib.inference.cli", "--model", source, "--port", str(port),
+         "--dtype", args.dtype, "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit((work / "serve.log").read_text()[-3000:])
+            time.sleep(0.5)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        disk = AtroposServeReload(url, transport="disk")
+        memory = AtroposServeReload(url, transport="shm")
+        memory.attach(model)
+        times: dict[str, list[float]] = {"disk": [], "shm": []}
+        version = 0
+        for _ in range(args.rounds):
+            for path in ("disk", "shm"):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.0001)
+                version += 1
+                started = time.monotonic()
+                if path == "disk":
+                    folder = save_checkpoint(
+                        work / f"step_{version}", model, tokenizer, step=version
+                    )
+                    saved = time.monotonic() - started
+                    disk.sync(folder, policy_version=version)
+                    detail = {"save": round(saved, 3), **disk.last_reply}
+                else:
+                    memory.sync(None, policy_version=version)
+                    detail = {**memory.last_timings, **memory.last_reply}
+                seconds = time.monotonic() - started
+                times[path].append(seconds)
+                keep = ("save", "shm_write_seconds", "copy_seconds", "prepare_seconds",
+                        "load_seconds", "total_seconds")  # fmt: skip
+                print(json.dumps({"path": path, "seconds": round(seconds, 3),
+                                  **{k: detail[k] for k in keep if k in detail}}), flush=True)  # fmt: skip
+        memory.close()
+        print(json.dumps({
+            "load_average": os.getloadavg()[0],
+            **{f"{k}_median": round(statistics.median(v), 3) for k, v in times.items()},
+            **{f"{k}_all": [round(x, 3) for x in v] for k, v in times.items()},
+        }))  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Weight sync through shared memory: ``POST /load_weights_from_shm`` on a real atropos-serve."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from tests.inference.conftest import SERVED_NAME, reference_logprobs, start_server
+
+torch = pytest.importorskip("torch")
+
+PROMPT_IDS = [504, 3458, 282, 4649, 314]
+
+
+@pytest.fixture(scope="module")
+def shm_server(tmp_path_factory, tiny_model_dir):
+    server = start_server(
+        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", SERVED_NAME
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _greedy(url: str) -> tuple[list[int], list[float]]:
+    reply = httpx.post(
+        url + "/generate",
+        json={
+            "prompt": {"prompt_token_ids": PROMPT_IDS},
+            "logprobs": 0,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return body["token_ids"][0], [list(item[0].values())[0] for item in body["logprobs"][0]]
+
+
+def test_memory_sync_serves_the_trainers_weights(shm_server, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.backends import weight_sync_client
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before_ids, before_lp = _greedy(shm_server.url)
+    client = weight_sync_client("atropos-serve", shm_server.url)
+    client.attach(trainer)
+    assert client.transport == "shm" and not client.needs_checkpoint
+    try:
+        for version in (3, 4):  # the second sync reuses the segment
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            seconds = client.sync(None, policy_version=version)
+            assert seconds > 0 and client.last_reply["source"] == "shm"
+            assert httpx.get(shm_server.url + "/policy_version").json() == {
+                "policy_version": version
+            }
+            ids, served = _greedy(shm_server.url)
+            trainer.eval()
+            assert served == pytest.approx(reference_logprobs(trainer, PROMPT_IDS, ids), abs=2e-3)
+            # and greedy: each served token is the trainer's argmax
+            with torch.no_grad():
+                logits = trainer(torch.tensor([PROMPT_IDS + ids])).logits[0]
+            start = len(PROMPT_IDS) - 1
+            assert ids == [int(logits[start + i].argmax()) for i in range(len(ids))]
+        assert (ids, served) != (before_ids, before_lp)
+        segment = client._writer.path
+        assert segment.exists()
+    finally:
+        client.close()
+    assert not segment.exists()
+
+
+def test_missing_segment_is_a_400_naming_the_field(shm_server):
+    before = httpx.get(shm_server.url + "/policy_version").json()
+    reply = httpx.post(
+        shm_server.url + "/load_weights_from_shm",
+        json={"shm_path": "/dev/shm/atropos-no-such-segment", "policy_version": 99},
+    )
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "shm_path" and "no shared-memory segment" in error["message"]
+    reply = httpx.post(shm_server.url + "/load_weights_from_shm", json={"policy_version": 1})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "shm_path"
+    assert httpx.get(shm_server.url + "/policy_version").json() == before
+
+
+def test_a_segment_that_does_not_fit_changes_nothing(shm_server, tmp_path):
+    from atroposlib.utils.shm_weights import SharedWeightsWriter
+
+    writer = SharedWeightsWriter(directory=tmp_path)
+    try:
+        path = writer.write([("model.embed_tokens.weight", torch.zeros(3, 3))])
+        reply = httpx.post(shm_server.url + "/load_weights_from_shm", json={"shm_path": str(path)})
+    finally:
+        writer.close()
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "shm_path" and "shape" in reply.text
+
+
+def test_tied_head_and_dtype_conversion_in_place(tiny_model_dir):
+    """A tied LM head follows the embeddings it shares; float32 weights land in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.inference.engine import GenerationEngine, _InPlaceUpdate
+    from atroposlib.utils.shm_weights import SharedWeightsWriter, read_segment, unique_parameters
+
+    def tied(dtype):
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_model_dir, dtype=dtype, tie_word_embeddings=True
+        )
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        return model.eval()
+
+    trainer, served = tied(torch.float32), tied(torch.bfloat16)
+    with torch.no_grad():
+        trainer.model.embed_tokens.weight.mul_(2)
+    writer = SharedWeightsWriter()
+    try:
+        tensors = read_segment(writer.write(unique_parameters(trainer)))
+        assert "lm_head.weight" not in tensors  # written once
+        fake = SimpleNamespace(model=served, compiled=True)
+        GenerationEngine.check_update(fake, tensors)
+        GenerationEngine._copy_in_place(fake, _InPlaceUpdate(tensors))
+    finally:
+        writer.close()
+    assert served.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(served.lm_head.weight, trainer.lm_head.weight.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="missing"):
+        GenerationEngine.check_update(fake, {"model.norm.weight": served.model.norm.weight})
