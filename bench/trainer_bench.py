@@ -145,7 +145,7 @@ def main() -> None:
 
     # The first step includes allocator warm-up; report the median over the rest when possible.
     # Batches with no learning signal take no optimizer step and carry no speed.
-    metrics = [m for m in metrics if "tokens_per_s" in m] or metrics
+    metrics = [m for m in metrics if "computed_tokens_per_s" in m] or metrics
     steady = metrics[1:] or metrics
     summary = {
         "model": args.model,
@@ -154,9 +154,15 @@ def main() -> None:
         "tokens_per_sequence": args.tokens,
         "steps": args.steps,
         "cpu_count": os.cpu_count(),
-        "trainer_tokens_per_s": round(
-            statistics.median(m.get("tokens_per_s", 0.0) for m in steady), 1
-        ),
+        **{
+            key: round(statistics.median(m.get(key, 0.0) for m in steady), 3 if key == "mfu" else 1)
+            for key in (
+                "batch_tokens_per_s",
+                "computed_tokens_per_s",
+                "trained_tokens_per_s",
+                "mfu",
+            )
+        },
         "train_seconds_per_step": round(statistics.median(m["train_seconds"] for m in steady), 2),
         "save_seconds_per_step": round(statistics.median(m["save_seconds"] for m in steady), 2),
         "reload_seconds_per_step": round(statistics.median(m["reload_seconds"] for m in steady), 2),

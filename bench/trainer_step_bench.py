@@ -15,7 +15,13 @@ Layouts (each adds one change to the one before):
     buckets    + each micro-batch padded to its own longest row (multiple of 8)
     trained    + logits only at trained positions
     shared     + each group's prompt run once per micro-batch
-    skip       + zero-advantage sequences not run (the default trainer)
+    skip       + zero-advantage sequences not run
+    packed     + the step's sequences packed without padding, every common beginning once
+               (the default trainer, pack_tokens=1024)
+
+Per layout: seconds per step, batch tokens/s (every token of the batch, prompts counted once
+per sequence: what a batch holds, not work), computed tokens/s (positions run through forward
+and backward) and MFU against this machine's measured GEMM peak (bench/gemm_peak.py).
 
     python bench/trainer_step_bench.py                     # the arithmetic recipe's shapes
     python bench/trainer_step_bench.py --task gsm8k        # GSM8K-like shapes
@@ -35,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LAYOUTS = ["before", "no-ckpt", "buckets", "trained", "shared", "skip"]
+LAYOUTS = ["before", "no-ckpt", "buckets", "trained", "shared", "skip", "packed"]
 
 
 def _arithmetic_messages(rng):
@@ -124,6 +130,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from atroposlib.inference.models import resolve_model_source
+    from atroposlib.trainer.throughput import gemm_peak, model_flops
     from example_trainer.config import TrainingConfig
     from example_trainer.data import prepare_batch
     from example_trainer.forward import check_fast_path
@@ -134,6 +141,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     fast_ok = check_fast_path(model, "cpu")
+    flops = model_flops(model)
+    peak = gemm_peak("cpu", "float32", torch.get_num_threads())
+    flops_done: dict[str, float] = {}
     # keep the weights ~fixed; the loop-over-tensors AdamW for "before", fused for the others
     optimizers = {
         False: torch.optim.AdamW(model.parameters(), lr=1e-12, foreach=False),
@@ -152,9 +162,15 @@ def main() -> None:
         level = LAYOUTS.index(layout)
         ckpt = level == 0
         if ckpt:
-            model.gradient_checkpointing_enable()
+            (
+                getattr(model, "activation_checkpointing_enable", None)
+                or model.gradient_checkpointing_enable
+            )()
         else:
-            model.gradient_checkpointing_disable()
+            (
+                getattr(model, "activation_checkpointing_disable", None)
+                or model.gradient_checkpointing_disable
+            )()
         config = TrainingConfig(model_name=path, device="cpu", batch_size=args.micro_batch)
         batch = prepare_batch(
             raw,
@@ -162,13 +178,19 @@ def main() -> None:
             upstream_padding=level < 2,
             share_prefix=level >= 4,
             skip_zero_advantage=level >= 5,
+            pack_tokens=1024 if level >= 6 else 0,
         )
         started = time.perf_counter()
         fused = level >= 1
         train_step(
             model, optimizers[fused], schedulers[fused], batch, config, fast=level >= 3 and fast_ok
         )
-        return time.perf_counter() - started, batch.total_tokens, batch.computed_tokens
+        took = time.perf_counter() - started
+        head = batch.run_tokens if level >= 3 and fast_ok else batch.computed_tokens
+        flops_done[layout] = flops_done.get(layout, 0.0) + flops.training_flops(
+            batch.computed_tokens, head
+        )
+        return took, batch.total_tokens, batch.computed_tokens
 
     for layout in args.layouts:  # warm-up: allocator, oneDNN primitives
         took, _, _ = run(layout, batches[0])
@@ -192,21 +214,27 @@ def main() -> None:
         f"micro-batch {args.micro_batch}, {args.rounds} rounds, load {os.getloadavg()[0]:.2f}, "
         f"torch threads {torch.get_num_threads()}"
     )
-    print(f"{'layout':10s} {'s/step':>8s} {'tokens/s':>9s} {'computed/real':>14s} {'speed-up':>9s}")
+    print(f"GEMM peak (fp32, {torch.get_num_threads()} threads): {peak / 1e9:.1f} GFLOP/s")
+    header = f"{'layout':10s} {'s/step':>7s} {'batch tok/s':>12s} {'computed tok/s':>15s}"
+    print(header + f" {'computed/batch':>15s} {'mfu':>6s} {'speed-up':>9s}")
     summary = {}
     for layout in args.layouts:
         med = statistics.median(seconds[layout])
         total, computed = tokens[layout]
-        per_step = total / args.rounds
+        per_step, computed_per_step = total / args.rounds, computed / args.rounds
+        # the warm-up step is in flops_done too: average over every step run
+        mfu = flops_done[layout] / (args.rounds + 1) / med / peak
         summary[layout] = {
             "seconds_per_step": round(med, 3),
-            "tokens_per_s": round(per_step / med, 1),
-            "computed_over_real_tokens": round(computed / total, 3),
+            "batch_tokens_per_s": round(per_step / med, 1),
+            "computed_tokens_per_s": round(computed_per_step / med, 1),
+            "computed_over_batch_tokens": round(computed / total, 3),
+            "mfu": round(mfu, 3),
             "speedup": round(base / med, 2),
         }
         print(
-            f"{layout:10s} {med:8.2f} {per_step / med:9.0f} {computed / total:14.2f} "
-            f"{base / med:8.2f}x"
+            f"{layout:10s} {med:7.2f} {per_step / med:12.0f} {computed_per_step / med:15.0f} "
+            f"{computed / total:15.3f} {mfu:6.1%} {base / med:8.2f}x"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

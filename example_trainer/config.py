@@ -48,7 +48,10 @@ class TrainingConfig(BaseModel):
     )
     training_steps: int = Field(default=10, ge=1, description="Optimizer steps to run in total.")
     batch_size: int = Field(
-        default=2, ge=1, description="Micro-batch size: sequences per forward/backward pass."
+        default=2,
+        ge=1,
+        description="Micro-batch size: sequences per forward/backward pass when they are not "
+        "packed (pack_tokens 0 or upstream_padding).",
     )
     gradient_accumulation_steps: int = Field(
         default=32,
@@ -84,6 +87,17 @@ class TrainingConfig(BaseModel):
         description="Run the prompt a group's sequences share once per micro-batch instead of "
         "once per sequence (same gradient, far fewer tokens for short completions).",
     )
+    pack_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description="Run a step's sequences packed into passes of at most this many tokens: "
+        "no padding, and every beginning sequences have in common (a shared system prompt, "
+        "a group's prompt, replies that start alike) computed once, through a 4D attention "
+        "mask (same gradient). Larger passes cost more in attention memory. 0: micro-batches "
+        "of batch_size sequences, each padded to its longest (share_prompt_prefix, "
+        "pad_multiple). Models whose attention ignores such a mask are padded (checked at "
+        "start).",
+    )
     skip_zero_advantage: bool = Field(
         default=True,
         description="Do not run sequences whose advantage is 0 on every trained token (they add "
@@ -99,6 +113,14 @@ class TrainingConfig(BaseModel):
         default=False,
         description="Upstream's layout instead: every sequence of the batch padded to one length "
         "L with L-1 a multiple of 64, no prompt sharing, no skipping.",
+    )
+    peak_flops: float | None = Field(
+        default=None,
+        gt=0,
+        description="FLOP/s the logged mfu is a fraction of. Default: this machine's measured "
+        "dense matrix-product peak for the training device, dtype and threads "
+        "(bench/gemm_peak.py; measured in ~2 s at start when not cached in "
+        "~/.cache/atroposlib/gemm_peak.json).",
     )
     seed: int = Field(default=0, description="Seed for torch's random number generators.")
     torch_threads: int | None = Field(

@@ -5,6 +5,14 @@ Each sequence of the batch becomes a *row*: ``input_ids = tokens[:-1]`` and ``la
 predicts ``labels[t]``. Rows are grouped into micro-batches (one forward/backward pass each) in
 ways that never change the gradient:
 
+- **Packing** (``pack_tokens``, the trainer's default). The rows of a step go into passes of at
+  most ``pack_tokens`` tokens, each pass one sequence without padding in which every beginning
+  its rows have in common runs once: the system prompt and few-shot examples all groups
+  share, each group's question, replies that start alike (an arithmetic group's sixteen
+  replies are often the same few tokens). A 4D attention mask lets each token see only its own
+  row's earlier tokens, and position ids restart per row (:class:`PackedLayout`). For the
+  arithmetic recipe this runs ~240 positions per step instead of ~770 for the layouts below.
+  The other points apply when rows are not packed.
 - **Prompt sharing.** The rows of a micro-batch often start with the same tokens: a group's
   prompt, or a system prompt and few-shot examples every group has. When they share at least
   ``min_shared_prefix`` untrained leading tokens, those go into ``MicroBatch.prefix_ids`` and
@@ -51,6 +59,7 @@ from atroposlib.trainer import TrainingRow, group_advantages, rows_from_batch, s
 
 __all__ = [
     "MicroBatch",
+    "PackedLayout",
     "TrainingBatch",
     "group_advantages",
     "padded_length",
@@ -60,6 +69,23 @@ __all__ = [
 
 PAD_MULTIPLE = 64
 """Upstream's padding unit (``padded_length``)."""
+
+
+@dataclass
+class PackedLayout:
+    """Several rows run as one sequence, everything they have in common once (``pack_tokens``).
+
+    The rows' input tokens form a prefix tree: the beginnings they have in common (a system
+    prompt every group shares, then each group's question, then replies that start alike)
+    appear once, each row's remainder after them. Token ``i`` attends to token ``j`` when ``visible[i, j]``: ``j`` is
+    on ``i``'s row path at or before it. ``positions`` are the tokens' positions in their own
+    rows, so each row sees exactly what it would see run on its own.
+    """
+
+    ids: torch.Tensor  # [N] token ids
+    positions: torch.Tensor  # [N] position of each token in its row(s)
+    visible: torch.Tensor  # [N, N] bool
+    index: torch.Tensor  # [B, T] packed position of row b's input t (0 past the row's end)
 
 
 @dataclass
@@ -81,6 +107,9 @@ class MicroBatch:
     top_k: torch.Tensor | None = None  # [B] long, -1: none
     top_p: torch.Tensor | None = None  # [B] float, 1.0: none
     min_p: torch.Tensor | None = None  # [B] float, 0.0: none
+    # set when the rows run packed as one sequence (input_ids then hold whole rows, for
+    # reports and the fallback path, and are not what the model runs)
+    packed: PackedLayout | None = None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -90,6 +119,8 @@ class MicroBatch:
     @property
     def computed_tokens(self) -> int:
         """Token positions the model runs for this micro-batch (padding included)."""
+        if self.packed is not None:
+            return int(self.packed.ids.numel())
         prefix = 0 if self.prefix_ids is None else int(self.prefix_ids.numel())
         return prefix + int(self.input_ids.numel())
 
@@ -112,6 +143,11 @@ class TrainingBatch:
     def computed_tokens(self) -> int:
         """Token positions actually run through the model (shared prompts once, padding in)."""
         return sum(mb.computed_tokens for mb in self.micro_batches)
+
+    @property
+    def run_tokens(self) -> int:
+        """Trained tokens of the sequences actually run (skipped ones left out)."""
+        return sum(int((mb.labels != -100).sum()) for mb in self.micro_batches)
 
     @property
     def flat_groups(self) -> int:
@@ -279,6 +315,90 @@ def _cheapest_plan(
     return min(candidates, key=_cost)
 
 
+class _Trie:
+    """A prefix tree of rows' input tokens, one node per token (see PackedLayout).
+
+    Two rows share a node wherever their inputs agree up to and including that position: the
+    model's output there is the same for both (it sees the same tokens), so it is computed
+    once and each row reads its own label's log-probability from it. The gradient is the same
+    as running the rows apart: a shared position collects the sum of its rows' gradients.
+    """
+
+    def __init__(self) -> None:
+        self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        self.tokens: list[int] = []
+        self.depth: list[int] = []
+        self.paths: list[list[int]] = []
+
+    def cost(self, row: _Row) -> int:
+        """Tokens that adding ``row`` would add."""
+        node = -1
+        for shared, token in enumerate(row.inputs):
+            child = self.children.get((node, token))
+            if child is None:
+                return len(row.inputs) - shared
+            node = child
+        return 0
+
+    def add(self, row: _Row) -> None:
+        node, path = -1, []
+        for t, token in enumerate(row.inputs):
+            child = self.children.get((node, token))
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.depth.append(t)
+                self.children[(node, token)] = child
+            path.append(child)
+            node = child
+        self.paths.append(path)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _pack(rows: list[_Row]) -> MicroBatch:
+    """One micro-batch running ``rows`` as a single packed sequence (PackedLayout)."""
+    trie = _Trie()
+    for row in rows:
+        trie.add(row)
+    size = len(trie)
+    visible = torch.zeros(size, size, dtype=torch.bool)
+    width = max(len(r.inputs) for r in rows)
+    index = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, path in enumerate(trie.paths):
+        at = torch.tensor(path, dtype=torch.long)
+        # along a path, earlier positions are ancestors: causal attention over the path
+        causal = torch.ones(len(path), len(path), dtype=torch.bool).tril_()
+        visible[at.unsqueeze(1), at.unsqueeze(0)] |= causal
+        index[i, : len(path)] = at
+    mb = _stack(rows, 0, width, None)
+    mb.packed = PackedLayout(
+        ids=torch.tensor(trie.tokens, dtype=torch.long),
+        positions=torch.tensor(trie.depth, dtype=torch.long),
+        visible=visible,
+        index=index,
+    )
+    return mb
+
+
+def _pack_plan(rows: list[_Row], budget: int) -> list[list[_Row]]:
+    """Rows in lexicographic order, cut into passes of at most ``budget`` packed tokens (a
+    row longer than the budget gets a pass of its own)."""
+    passes: list[list[_Row]] = []
+    current: list[_Row] = []
+    trie = _Trie()
+    for row in sorted(rows, key=lambda r: r.inputs):
+        if current and len(trie) + trie.cost(row) > budget:
+            passes.append(current)
+            current, trie = [], _Trie()
+        trie.add(row)
+        current.append(row)
+    if current:
+        passes.append(current)
+    return passes
+
+
 def prepare_batch(
     batch: list[dict[str, Any]],
     micro_batch_size: int,
@@ -288,6 +408,7 @@ def prepare_batch(
     skip_zero_advantage: bool = False,
     pad_multiple: int = 8,
     upstream_padding: bool = False,
+    pack_tokens: int = 0,
 ) -> TrainingBatch:
     """Turn the groups of one ``/batch`` reply into micro-batches (see the module docstring).
 
@@ -302,6 +423,9 @@ def prepare_batch(
         pad_multiple: each micro-batch's length is rounded up to a multiple of this.
         upstream_padding: upstream's layout instead: one length for the whole batch (``L - 1``
             a multiple of 64), batch order kept, no sharing.
+        pack_tokens: when > 0, rows run packed (:class:`PackedLayout`): no padding, every
+            shared untrained beginning once per pass, passes of at most this many tokens;
+            ``micro_batch_size``, ``share_prefix`` and ``pad_multiple`` then do not apply.
     """
     library_rows = rows_from_batch(batch)
     if not library_rows:
@@ -328,7 +452,9 @@ def prepare_batch(
 
     kept = [r for r in rows if not (skip_zero_advantage and _no_signal(r))]
     skipped = num_sequences - len(kept)
-    if kept:
+    if kept and pack_tokens > 0:
+        micro_batches = [_pack(chunk) for chunk in _pack_plan(kept, pack_tokens)]
+    elif kept:
         plan = _cheapest_plan(kept, micro_batch_size, share_prefix, min_shared_prefix, pad_multiple)
         for chunk, prefix, width in plan:
             shared = chunk[0].inputs[:prefix] if prefix else None

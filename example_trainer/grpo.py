@@ -27,6 +27,7 @@ import torch
 
 from atroposlib.inference.models import resolve_model_source
 from atroposlib.testing.report import report_from_env
+from atroposlib.trainer.throughput import gemm_peak, model_flops, step_throughput
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
 from example_trainer.checkpoint import (
@@ -39,7 +40,7 @@ from example_trainer.checkpoint import (
 )
 from example_trainer.config import TrainingConfig, load_config
 from example_trainer.data import TrainingBatch, prepare_batch
-from example_trainer.forward import check_fast_path, policy_logprobs
+from example_trainer.forward import check_fast_path, check_packed_path, policy_logprobs
 from example_trainer.inference_process import InferenceLaunchError
 from example_trainer.loss import grpo_loss
 from example_trainer.metrics import TrainingLogger, staleness_metrics
@@ -228,10 +229,27 @@ def train(
     start_model = str(resume_from or resolve_model_source(config.model_name))
     model, tokenizer = load_policy(start_model, config)
     fast = check_fast_path(model, config.device)
-    logger.info(
-        "log-probabilities: %s",
-        "trained positions only, shared prompts run once" if fast else "full forward pass",
+    pack_tokens = (
+        config.pack_tokens if config.pack_tokens and check_packed_path(model, config.device) else 0
     )
+    logger.info(
+        "log-probabilities: %s; %s",
+        "trained positions only" if fast else "full forward pass",
+        f"sequences packed ({pack_tokens} tokens per pass, shared beginnings once)"
+        if pack_tokens
+        else f"micro-batches of {config.batch_size} padded sequences",
+    )
+    flops = model_flops(model)
+    peak_flops = config.peak_flops or gemm_peak(
+        str(config.device), str(next(model.parameters()).dtype).removeprefix("torch."),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if peak_flops:
+        logger.info(
+            "mfu is measured against %.1f GFLOP/s (%s)",
+            peak_flops / 1e9,
+            "peak_flops" if config.peak_flops else "this machine's GEMM peak, bench/gemm_peak.py",
+        )
     ref_model = None
     if config.kl_coef > 0:
         ref_model, _ = load_policy(config.reference_model or config.model_name, config)
@@ -295,6 +313,7 @@ def train(
                 skip_zero_advantage=config.skip_zero_advantage and config.kl_coef == 0,
                 pad_multiple=config.pad_multiple,
                 upstream_padding=config.upstream_padding,
+                pack_tokens=0 if config.upstream_padding else pack_tokens,
             )
             if batch.group_scores and batch.flat_groups == len(batch.group_scores):
                 logger.warning(
@@ -380,7 +399,15 @@ def train(
                     **staleness_metrics(batch.policy_versions, step),
                     # a batch with nothing to train is no measure of speed
                     **(
-                        {"tokens_per_s": batch.total_tokens / max(train_seconds, 1e-9)}
+                        step_throughput(
+                            seconds=train_seconds,
+                            batch_tokens=batch.total_tokens,
+                            computed_tokens=batch.computed_tokens,
+                            trained_tokens=batch.run_tokens,
+                            flops=flops,
+                            head_tokens=batch.run_tokens if fast else batch.computed_tokens,
+                            peak_flops=peak_flops,
+                        )
                         if batch.micro_batches
                         else {}
                     ),

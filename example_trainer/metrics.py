@@ -94,8 +94,11 @@ class TrainingLogger:
         line = (
             f"step {step}  loss {metrics['loss']:+.3e}  reward {metrics['reward_mean']:+.3f}  "
             + (
-                f"{metrics['tokens_per_s']:.0f} tok/s"
-                if "tokens_per_s" in metrics
+                f"{metrics['computed_tokens_per_s']:.0f} computed tok/s"
+                + (f" (mfu {metrics['mfu']:.0%})" if "mfu" in metrics else "")
+                if "computed_tokens_per_s" in metrics
+                else f"{metrics['batch_tokens_per_s']:.0f} batch tok/s"
+                if "batch_tokens_per_s" in metrics
                 else "no optimizer step"
             )
             + f"  sync {metrics['sync_seconds']:.2f} s"

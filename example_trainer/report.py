@@ -293,9 +293,17 @@ def plot_training_curves(
         ax_entropy.legend(loc="upper right", fontsize=8)
     ax_entropy.set_title("policy entropy / KL at trained tokens")
 
-    xs, speed = series("tokens_per_s")
-    ax_speed.plot(xs, speed, color="#525252", lw=1)
-    ax_speed.set_title("trainer tokens/s")
+    xs, speed = series("computed_tokens_per_s")
+    if speed:  # positions run through forward + backward
+        ax_speed.plot(xs, speed, color="#525252", lw=1, label="computed")
+        xt, trained = series("trained_tokens_per_s")
+        ax_speed.plot(xt, trained, color="#2171b5", lw=1, label="trained")
+        ax_speed.legend(loc="upper right", fontsize=8)
+        ax_speed.set_title("trainer tokens/s (computed, trained)")
+    else:  # a trainer that only knows its batch (TRL): every token of the batch
+        xs, speed = series("batch_tokens_per_s")
+        ax_speed.plot(xs, speed, color="#525252", lw=1)
+        ax_speed.set_title("trainer batch tokens/s")
     ax_speed.set_ylim(bottom=0)
 
     ax_text.axis("off")

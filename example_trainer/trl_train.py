@@ -210,8 +210,9 @@ def _log_callback(trainer: Any, log: Any, on_step: StepCallback | None) -> Any:
             seen = float(logs.get("num_tokens", self.tokens_seen))
             batch_tokens, self.tokens_seen = seen - self.tokens_seen, seen
             if batch_tokens > 0 and metrics.get("train_seconds"):
-                # every token of the batch (prompts included), as the GRPO trainer counts it
-                metrics["tokens_per_s"] = batch_tokens / metrics["train_seconds"]
+                # every token of the batch (prompts included); TRL runs each sequence whole,
+                # so its computed tokens are at least this (plus padding)
+                metrics["batch_tokens_per_s"] = batch_tokens / metrics["train_seconds"]
             metrics.update({f"trl/{k}": v for k, v in logs.items() if isinstance(v, int | float)})
             log.log(int(state.global_step), metrics)
 

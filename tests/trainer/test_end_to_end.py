@@ -311,6 +311,14 @@ def test_trainer_env_and_server_end_to_end(
         assert all(math.isfinite(m["loss"]) for m in metrics)
         assert all(m["sync_seconds"] > 0 for m in metrics)
         assert any(m["grad_norm"] > 0 for m in metrics)
+        # throughput figures say what they count: positions run (packed, each shared prompt
+        # once) are fewer than the batch's tokens, trained ones fewer still
+        stepped = [m for m in metrics if m["optimizer_step"]]
+        assert stepped
+        for m in stepped:
+            assert m["trained_tokens_per_s"] < m["computed_tokens_per_s"]
+            assert m["computed_tokens_per_s"] < m["batch_tokens_per_s"]
+            assert m["mfu"] > 0 and "tokens_per_s" not in m
         # the env sent sampler logprobs: the ratio was computed against them
         assert metrics[0]["offpolicy_fraction"] == pytest.approx(1.0)
         assert metrics[0]["mean_ratio"] == pytest.approx(1.0, abs=0.05)

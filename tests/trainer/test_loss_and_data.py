@@ -261,13 +261,15 @@ def test_staleness_is_versions_behind_the_weights_trained(tmp_path: Path) -> Non
     assert (record["step"], record["staleness_mean"], record["staleness_max"]) == (6, 0.5, 1.0)
 
 
-def _sample_batch(vocab: int) -> list[dict]:
+def _sample_batch(vocab: int, common: int = 0) -> list[dict]:
     """Groups like an env's: shared chat prompts, replies of several lengths, one flat group,
-    per-sample temperatures and sampler log-probabilities."""
+    per-sample temperatures and sampler log-probabilities; ``common``: the first tokens of
+    every prompt are the same (a system prompt)."""
     g = torch.Generator().manual_seed(5)
+    system = torch.randint(5, vocab, (common,), generator=g).tolist()
     groups = []
     for prompt_len, n, flat in [(23, 4, False), (31, 3, False), (17, 4, True), (12, 1, False)]:
-        prompt = torch.randint(5, vocab, (prompt_len,), generator=g).tolist()
+        prompt = system + torch.randint(5, vocab, (prompt_len - common,), generator=g).tolist()
         tokens, masks, old = [], [], []
         for i in range(n):
             reply = torch.randint(5, vocab, (2 + 3 * i,), generator=g).tolist()
@@ -290,20 +292,62 @@ def _sample_batch(vocab: int) -> list[dict]:
     return groups
 
 
-@pytest.mark.parametrize("normalization", ["sequence", "token"])
-def test_fast_layout_gives_the_same_loss_and_gradient_as_upstream_padding(
-    tiny_model_dir: Path, normalization: str
-) -> None:
-    """Prompt sharing, length buckets, trained-position logits and zero-advantage skipping
-    change the work done, never the gradient: both layouts train the same step."""
+def test_packing_runs_each_common_beginning_once(tiny_model_dir: Path) -> None:
+    """Rows packed into one sequence: a system prompt shared by two groups, a group's prompt,
+    identical replies and a reply that is the beginning of another each run once, and every
+    row gets the log-probabilities it gets run on its own."""
     from transformers import AutoModelForCausalLM
 
-    from example_trainer.forward import check_fast_path, policy_logprobs
+    from example_trainer.forward import policy_logprobs
+
+    system, q1, q2 = [11, 12, 13, 14, 15], [21, 22], [31, 32, 33]
+    replies = [[41, 42, 43], [41, 42, 43], [41, 42], [44, 45]]
+    groups = [
+        _group(
+            n=4,
+            tokens=[system + q + r for r in replies],
+            masks=[[-100] * (len(system) + len(q)) + r for r in replies],
+            scores=[1.0, 0.0, 0.5, 0.25],
+        )
+        for q in (q1, q2)
+    ]
+    packed = prepare_batch(groups, 2, pack_tokens=1024)
+    (mb,) = packed.micro_batches
+    # per group: 5 system (shared by both groups) + its question + [41, 42] + [44]
+    assert packed.computed_tokens == 5 + (2 + 2 + 1) + (3 + 2 + 1)
+    assert mb.packed is not None and mb.packed.ids.numel() == packed.computed_tokens
+    # positions are each token's place in its own row (the longest row has 10 inputs)
+    assert sorted(set(mb.packed.positions.tolist())) == list(range(10))
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = policy_logprobs(model, mb, "cpu")
+        for i in range(mb.labels.shape[0]):  # each row on its own, unpacked
+            length = int((mb.packed.index[i] != 0).sum()) + 1
+            alone = model(input_ids=mb.input_ids[i : i + 1, :length]).logits[0].log_softmax(-1)
+            labels = mb.labels[i, :length]
+            trained = labels != -100
+            want = alone[trained].gather(1, labels[trained].unsqueeze(1)).squeeze(1)
+            assert torch.allclose(got[i, :length][trained], want, atol=1e-5), i
+
+
+@pytest.mark.parametrize(
+    ("normalization", "packed"), [("sequence", False), ("token", False), ("sequence", True)]
+)
+def test_fast_layout_gives_the_same_loss_and_gradient_as_upstream_padding(
+    tiny_model_dir: Path, normalization: str, packed: bool
+) -> None:
+    """Prompt sharing, length buckets, packing, trained-position logits and zero-advantage
+    skipping change the work done, never the gradient: both layouts train the same step."""
+    from transformers import AutoModelForCausalLM
+
+    from example_trainer.forward import check_fast_path, check_packed_path, policy_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert check_fast_path(model, "cpu")
-    groups = _sample_batch(model.config.vocab_size)
+    assert check_packed_path(model, "cpu")
+    groups = _sample_batch(model.config.vocab_size, common=8 if packed else 0)
 
     def loss_and_grads(batch, fast: bool):
         model.zero_grad()
@@ -324,9 +368,15 @@ def test_fast_layout_gives_the_same_loss_and_gradient_as_upstream_padding(
         return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     reference = prepare_batch(groups, 3, upstream_padding=True)
-    fast = prepare_batch(groups, 3, skip_zero_advantage=True)
+    fast = prepare_batch(groups, 3, skip_zero_advantage=True, pack_tokens=40 if packed else 0)
     assert fast.skipped_sequences == 4
-    assert any(mb.prefix_ids is not None for mb in fast.micro_batches)
+    if packed:  # a budget of 40 tokens: several passes, each without padding
+        assert len(fast.micro_batches) > 1
+        assert all(mb.packed is not None for mb in fast.micro_batches)
+        shared = prepare_batch(groups, 3, skip_zero_advantage=True)
+        assert fast.computed_tokens < shared.computed_tokens
+    else:
+        assert any(mb.prefix_ids is not None for mb in fast.micro_batches)
     assert fast.computed_tokens < reference.computed_tokens / 2
     ref_loss, ref_grads = loss_and_grads(reference, fast=False)
     new_loss, new_grads = loss_and_grads(fast, fast=True)
