@@ -139,7 +139,9 @@ def train_step(
     run_tokens = sum(float(m.mask.sum()) for m in batch.micro_batches)
     # what the loss trains on, for atropos-check-trainer (only when ATROPOS_TRAINER_REPORT is set)
     report = report_from_env(standard_advantages=True, name="example_trainer")
+    forward_seconds = backward_seconds = 0.0
     for mb in batch.micro_batches:
+        started = time.perf_counter()
         logp = policy_logprobs(model, mb, device, fast=fast, stats=entropy)
         ref_logp = None
         if ref_model is not None:
@@ -157,7 +159,10 @@ def train_step(
             num_sequences=batch.num_sequences,
             num_tokens=batch.num_tokens,
         )
+        backward_started = time.perf_counter()
+        forward_seconds += backward_started - started
         loss.backward()
+        backward_seconds += time.perf_counter() - backward_started
         if report is not None:
             report.shifted_rows(mb.input_ids, mb.labels, mb.advantages, prefix_ids=mb.prefix_ids)
         loss_total += loss.item()
@@ -166,11 +171,13 @@ def train_step(
             sums[key] = sums.get(key, 0.0) + value * weight
     stepped = bool(batch.micro_batches)
     grad_norm = 0.0
+    optimizer_started = time.perf_counter()
     if stepped:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    optimizer_seconds = time.perf_counter() - optimizer_started
     if report is not None:
         report.end_step()
     return {
@@ -178,6 +185,10 @@ def train_step(
         "grad_norm": grad_norm,
         "learning_rate": scheduler.get_last_lr()[0],
         "optimizer_step": float(stepped),
+        # where train_seconds goes (forward includes the loss)
+        "forward_seconds": forward_seconds,
+        "backward_seconds": backward_seconds,
+        "optimizer_seconds": optimizer_seconds,
         **sums,
         **(
             {"entropy": entropy["entropy_sum"] / entropy["entropy_tokens"]}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -848,9 +849,18 @@ def _submit(
         raise APIError(400, str(exc), code=code) from exc
 
 
+def _retrieve_exception(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        with contextlib.suppress(BaseException):
+            task.exception()
+
+
 async def _wait(request: Request, handles: list[RequestHandle]) -> list[list[SampleOutput]]:
     """Await the handles, aborting them if the client goes away before they finish."""
     task = asyncio.ensure_future(asyncio.gather(*(h.result() for h in handles)))
+    # when the client leaves, the aborted handles end the gather with a CancelledError nobody
+    # awaits any more: retrieve it here, or asyncio logs it as an error at garbage collection
+    task.add_done_callback(_retrieve_exception)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=1.0)
