@@ -1,0 +1,100 @@
+"""Everything an environment author imports, from one place.
+
+    from atroposlib.envs import BaseEnv, BaseEnvConfig, APIServerConfig, ScoredDataGroup
+    from atroposlib.envs import ChatSession, group_from_samples, sample_chat_group
+
+The names resolve lazily (on first use), so importing a submodule such as
+``atroposlib.envs.server_handling.openai_server`` does not load the whole env runtime. The
+upstream module paths (``atroposlib.envs.base`` and friends) keep working.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    # the env class, its config and what it sends
+    "BaseEnv": "atroposlib.envs.base",
+    "BaseEnvConfig": "atroposlib.envs.base",
+    "EvalHandlingEnum": "atroposlib.envs.base",
+    "ScoredDataGroup": "atroposlib.envs.base",
+    "ScoredDataItem": "atroposlib.envs.base",
+    "Item": "atroposlib.type_definitions",
+    # inference servers
+    "APIServer": "atroposlib.envs.base",
+    "APIServerConfig": "atroposlib.envs.base",
+    "ServerBaseline": "atroposlib.envs.base",
+    "ServerManager": "atroposlib.envs.base",
+    "ServerManagerConfig": "atroposlib.envs.base",
+    "local_server_configs": "atroposlib.envs.server_handling.server_baseline",
+    # building groups from rollouts (single- and multi-turn)
+    "ChatSession": "atroposlib.envs.rollout",
+    "Sample": "atroposlib.envs.rollout",
+    "eval_completion": "atroposlib.envs.rollout",
+    "group_from_samples": "atroposlib.envs.rollout",
+    "sample_chat_group": "atroposlib.envs.rollout",
+    # a ready-made env family
+    "MathVerifyEnv": "atroposlib.envs.math_verify_env",
+    "MathVerifyEnvConfig": "atroposlib.envs.math_verify_env",
+}
+
+__all__ = [
+    "APIServer",
+    "APIServerConfig",
+    "BaseEnv",
+    "BaseEnvConfig",
+    "ChatSession",
+    "EvalHandlingEnum",
+    "Item",
+    "MathVerifyEnv",
+    "MathVerifyEnvConfig",
+    "Sample",
+    "ScoredDataGroup",
+    "ScoredDataItem",
+    "ServerBaseline",
+    "ServerManager",
+    "ServerManagerConfig",
+    "eval_completion",
+    "group_from_samples",
+    "local_server_configs",
+    "sample_chat_group",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'atroposlib.envs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from atroposlib.envs.base import (
+        APIServer,
+        APIServerConfig,
+        BaseEnv,
+        BaseEnvConfig,
+        EvalHandlingEnum,
+        ScoredDataGroup,
+        ScoredDataItem,
+        ServerBaseline,
+        ServerManager,
+        ServerManagerConfig,
+    )
+    from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
+    from atroposlib.envs.rollout import (
+        ChatSession,
+        Sample,
+        eval_completion,
+        group_from_samples,
+        sample_chat_group,
+    )
+    from atroposlib.envs.server_handling.server_baseline import local_server_configs
+    from atroposlib.type_definitions import Item

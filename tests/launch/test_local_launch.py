@@ -266,7 +266,9 @@ def test_the_shipped_quickstart_run_description_trains_locally(tmp_path: Path):
         served_groups + api["queue_groups"] + api["buffered_groups"]
         + sum(api["dropped"].values())
     ), summary  # fmt: skip
-    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_3*"))
+    # atropos-serve on the trainer's machine is synced through shared memory: no step_N per
+    # sync; the end writes final_model
+    assert (out / "checkpoints" / "final_model" / "config.json").is_file()
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(m.get("step", 0) for m in metrics) == 3
     for name in ("run-api", "policy", "arithmetic", "trainer"):

@@ -325,7 +325,9 @@ def test_the_shipped_quickstart_run_description_trains_on_ray(
         + api["buffered_groups"]
         + sum(api["dropped"].values())
     ), summary
-    assert any((out / "checkpoints").glob("step_3*"))
+    # atropos-serve on the trainer's machine is synced through shared memory: no step_N per
+    # sync; the end writes final_model
+    assert (out / "checkpoints" / "final_model" / "config.json").is_file()
 
 
 def test_cli_says_when_no_ray_cluster_answers_at_the_address(tmp_path: Path) -> None:
