@@ -15,9 +15,7 @@ AVX-512) torch emulates bfloat16 products at ~1 GFLOP/s: keep --sizes small for 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +25,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     import torch
 
-    from atroposlib.trainer.throughput import CACHE_PATH, _key, measure_gemm_peak
+    from atroposlib.trainer.throughput import CACHE_PATH, measure_gemm_peak, record_gemm_peak
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -38,10 +36,6 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="do not write the cache")
     args = parser.parse_args()
 
-    try:
-        cache = json.loads(CACHE_PATH.read_text())
-    except (OSError, ValueError):
-        cache = {}
     columns = "".join(f" {'n=' + str(n):>9s}" for n in args.sizes)
     print(f"{'dtype':9s} {'threads':>7s}{columns} {'peak':>9s}")
     for dtype in args.dtype:
@@ -51,14 +45,9 @@ def main() -> None:
             )
             cells = " ".join(f"{rates[str(n)] / 1e9:9.1f}" for n in args.sizes)
             print(f"{dtype:9s} {threads:7d} {cells} {rates['peak'] / 1e9:9.1f}  GFLOP/s")
-            cache[_key(args.device, dtype, threads)] = {
-                **rates,
-                "measured_at": time.time(),
-                "torch": torch.__version__,
-            }
+            if not args.no_cache:
+                record_gemm_peak(args.device, dtype, threads, rates)
     if not args.no_cache:
-        CACHE_PATH.parent.mkdir(parents=True, exist_ok=True)
-        CACHE_PATH.write_text(json.dumps(cache, indent=1))
         print(f"cached in {CACHE_PATH}")
 
 

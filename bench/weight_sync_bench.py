@@ -22,13 +22,11 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 
@@ -43,6 +41,7 @@ def main() -> None:
 
     from atroposlib.backends.weight_sync import AtroposServeReload
     from atroposlib.inference.models import resolve_model_source
+    from atroposlib.utils.processes import ChildProcess
     from example_trainer.checkpoint import save_checkpoint
 
     source = resolve_model_source(args.model)
@@ -51,23 +50,14 @@ def main() -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     work = Path(tempfile.mkdtemp(prefix="sync-bench-"))
-    log = open(work / "serve.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(
+    server = ChildProcess(
+        "atropos-serve",
         [sys.executable, "-m", "atroposlib.inference.cli", "--model", source, "--port", str(port),
          "--dtype", args.dtype, "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        work / "serve.log",
+    ).start()  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit((work / "serve.log").read_text()[-3000:])
-            time.sleep(0.5)
+        server.wait_ready(url + "/health", timeout=300)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source)
         disk = AtroposServeReload(url, transport="disk")
@@ -105,9 +95,7 @@ def main() -> None:
             **{f"{k}_all": [round(x, 3) for x in v] for k, v in times.items()},
         }))  # fmt: skip
     finally:
-        server.terminate()
-        server.wait(30)
-        log.close()
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -357,11 +357,9 @@ class _Trie:
         return len(self.tokens)
 
 
-def _pack(rows: list[_Row]) -> MicroBatch:
-    """One micro-batch running ``rows`` as a single packed sequence (PackedLayout)."""
-    trie = _Trie()
-    for row in rows:
-        trie.add(row)
+def _pack(rows: list[_Row], trie: _Trie) -> MicroBatch:
+    """One micro-batch running ``rows`` (added to ``trie`` in this order) as a single packed
+    sequence (PackedLayout)."""
     size = len(trie)
     visible = torch.zeros(size, size, dtype=torch.bool)
     width = max(len(r.inputs) for r in rows)
@@ -382,20 +380,20 @@ def _pack(rows: list[_Row]) -> MicroBatch:
     return mb
 
 
-def _pack_plan(rows: list[_Row], budget: int) -> list[list[_Row]]:
+def _pack_plan(rows: list[_Row], budget: int) -> list[tuple[list[_Row], _Trie]]:
     """Rows in lexicographic order, cut into passes of at most ``budget`` packed tokens (a
-    row longer than the budget gets a pass of its own)."""
-    passes: list[list[_Row]] = []
+    row longer than the budget gets a pass of its own); each pass with its prefix tree."""
+    passes: list[tuple[list[_Row], _Trie]] = []
     current: list[_Row] = []
     trie = _Trie()
     for row in sorted(rows, key=lambda r: r.inputs):
         if current and len(trie) + trie.cost(row) > budget:
-            passes.append(current)
+            passes.append((current, trie))
             current, trie = [], _Trie()
         trie.add(row)
         current.append(row)
     if current:
-        passes.append(current)
+        passes.append((current, trie))
     return passes
 
 
@@ -453,7 +451,7 @@ def prepare_batch(
     kept = [r for r in rows if not (skip_zero_advantage and _no_signal(r))]
     skipped = num_sequences - len(kept)
     if kept and pack_tokens > 0:
-        micro_batches = [_pack(chunk) for chunk in _pack_plan(kept, pack_tokens)]
+        micro_batches = [_pack(chunk, trie) for chunk, trie in _pack_plan(kept, pack_tokens)]
     elif kept:
         plan = _cheapest_plan(kept, micro_batch_size, share_prefix, min_shared_prefix, pad_multiple)
         for chunk, prefix, width in plan:

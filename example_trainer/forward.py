@@ -118,6 +118,8 @@ def policy_logprobs(
     sequence goes through ``model``. ``stats``, when given, accumulates ``entropy_sum`` and
     ``entropy_tokens``: the entropy of the (temperature-scaled) policy at trained positions.
     """
+    if mb.packed is not None:
+        return _packed_logprobs(model, mb, device, fast=fast, stats=stats)
     input_ids = mb.input_ids.to(device)
     labels = mb.labels.to(device)
     temps = mb.temperatures.to(device)
@@ -126,8 +128,6 @@ def policy_logprobs(
         if mb.top_k is None or mb.top_p is None or mb.min_p is None
         else (mb.top_k.to(device), mb.top_p.to(device), mb.min_p.to(device))
     )
-    if mb.packed is not None:
-        return _packed_logprobs(model, mb, device, fast=fast, stats=stats, truncation=truncation)
     parts = _parts(model) if fast else None
     if parts is None:
         if mb.prefix_ids is not None:
@@ -185,13 +185,11 @@ def _packed_logprobs(
     *,
     fast: bool,
     stats: dict[str, float] | None,
-    truncation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """:func:`policy_logprobs` for a packed micro-batch: one sequence, a 4D mask."""
     packed = mb.packed
     assert packed is not None
     labels = mb.labels.to(device)
-    temps = mb.temperatures.to(device)
     dtype = next(model.parameters()).dtype
     inputs = {
         "input_ids": packed.ids.to(device).unsqueeze(0),
@@ -201,28 +199,19 @@ def _packed_logprobs(
     selected = labels != -100
     rows = selected.nonzero(as_tuple=True)[0]
     where = packed.index.to(device)[selected]  # packed position of each trained position
-    out = torch.zeros(labels.shape, dtype=torch.float32, device=device)
     parts = _parts(model) if fast else None
-    if parts is None:
-        logits = model(**inputs).logits[0]  # [N, V]
-        if rows.numel():
-            cut = None if truncation is None else tuple(t[rows] for t in truncation)
-            out[selected] = _scaled_logprobs(
-                logits[where],
-                labels[selected],
-                temps[rows],
-                stats,
-                cut,  # type: ignore[arg-type]
-            )
-        return out
-    decoder, head = parts
-    hidden = decoder(**inputs).last_hidden_state[0]  # [N, H]
-    if rows.numel():
-        out[selected] = _scaled_logprobs(
-            head(hidden[where]), labels[selected], temps[rows], stats, _truncation(mb, rows, device)
-        )
-    else:
-        out = out + 0.0 * hidden.sum()  # keeps the graph connected for backward()
+    if parts is None:  # full logits, read at the trained positions
+        logits = model(**inputs).logits[0][where]
+    else:  # the head at the trained positions only
+        decoder, head = parts
+        logits = head(decoder(**inputs).last_hidden_state[0][where])
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=device)
+    if not rows.numel():
+        return out + 0.0 * logits.sum()  # keeps the graph connected for backward()
+    temps = mb.temperatures.to(device)
+    out[selected] = _scaled_logprobs(
+        logits, labels[selected], temps[rows], stats, _truncation(mb, rows, device)
+    )
     return out
 
 

@@ -136,7 +136,7 @@ def train_step(
     loss_total = 0.0
     sums: dict[str, float] = {}
     entropy: dict[str, float] = {}
-    run_tokens = sum(float(m.mask.sum()) for m in batch.micro_batches)
+    run_tokens = float(batch.run_tokens)
     # what the loss trains on, for atropos-check-trainer (only when ATROPOS_TRAINER_REPORT is set)
     report = report_from_env(standard_advantages=True, name="example_trainer")
     forward_seconds = backward_seconds = 0.0
@@ -416,7 +416,7 @@ def train(
                             computed_tokens=batch.computed_tokens,
                             trained_tokens=batch.run_tokens,
                             flops=flops,
-                            head_tokens=batch.run_tokens if fast else batch.computed_tokens,
+                            head_tokens=None if fast else batch.computed_tokens,
                             peak_flops=peak_flops,
                         )
                         if batch.micro_batches

@@ -36,6 +36,7 @@ __all__ = [
     "gemm_peak",
     "measure_gemm_peak",
     "model_flops",
+    "record_gemm_peak",
     "step_throughput",
 ]
 
@@ -128,6 +129,38 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_gemm_peak(
+    device: str,
+    dtype: str,
+    threads: int,
+    rates: dict[str, float],
+    cache_path: Path | None = None,
+) -> None:
+    """Cache ``rates`` (from :func:`measure_gemm_peak`) as this machine's peak for ``device``,
+    ``dtype`` and ``threads``; a cache that cannot be written is left as it is."""
+    import torch
+
+    path = cache_path or CACHE_PATH
+    cached = _read_cache(path)
+    cached[_key(device, dtype, threads)] = {
+        **rates,
+        "measured_at": time.time(),
+        "torch": torch.__version__,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass
+
+
 def gemm_peak(
     device: str = "cpu",
     dtype: str = "float32",
@@ -142,22 +175,13 @@ def gemm_peak(
 
     threads = threads or torch.get_num_threads()
     path = cache_path or CACHE_PATH
-    key = _key(device, dtype, threads)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return float(cached[key]["peak"])
+    entry = _read_cache(path).get(_key(device, dtype, threads))
+    if entry is not None:
+        return float(entry["peak"])
     if not measure:
         return None
     rates = measure_gemm_peak(device, dtype, threads)
-    cached[key] = {**rates, "measured_at": time.time(), "torch": torch.__version__}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
-    except OSError:
-        pass
+    record_gemm_peak(device, dtype, threads, rates, path)
     return rates["peak"]
 
 

@@ -52,6 +52,20 @@ def tiny_server(
         server.stop()
 
 
+def own_tiny_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[ServeProcess]:
+    """Body of a module's own float32 tiny server, served as ``tiny``, for tests that change
+    its state (weights, pause): ``yield from own_tiny_server(...)`` in a module fixture."""
+    server = start_server(
+        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", SERVED_NAME
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def reference_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
     """Log-probs of ``output_ids`` after ``prompt_ids`` from one plain forward pass."""
     ids = torch.tensor([prompt_ids + output_ids])

@@ -9,20 +9,14 @@ import time
 import httpx
 import pytest
 
-from tests.inference.conftest import SERVED_NAME, start_server
+from tests.inference.conftest import SERVED_NAME, own_tiny_server, start_server
 
 PROMPT = "Count with me: one, two, three,"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    server = start_server(
-        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", SERVED_NAME
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from own_tiny_server(tmp_path_factory, tiny_model_dir)
 
 
 @pytest.fixture(autouse=True)

@@ -9,20 +9,14 @@ import httpx
 import openai
 import pytest
 
-from tests.inference.conftest import SERVED_NAME, reference_logprobs, start_server
+from tests.inference.conftest import SERVED_NAME, own_tiny_server, reference_logprobs, start_server
 
 PROMPT_IDS = [504, 3458, 282, 4649, 314]
 
 
 @pytest.fixture(scope="module")
 def reload_server(tmp_path_factory, tiny_model_dir):
-    server = start_server(
-        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", SERVED_NAME
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from own_tiny_server(tmp_path_factory, tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

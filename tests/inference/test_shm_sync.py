@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.inference.conftest import SERVED_NAME, reference_logprobs, start_server
+from tests.inference.conftest import own_tiny_server, reference_logprobs
 
 torch = pytest.importorskip("torch")
 
@@ -16,13 +16,7 @@ PROMPT_IDS = [504, 3458, 282, 4649, 314]
 
 @pytest.fixture(scope="module")
 def shm_server(tmp_path_factory, tiny_model_dir):
-    server = start_server(
-        tmp_path_factory, tiny_model_dir, "--dtype", "float32", "--served-model-name", SERVED_NAME
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from own_tiny_server(tmp_path_factory, tiny_model_dir)
 
 
 def _greedy(url: str) -> tuple[list[int], list[float]]:
