@@ -51,6 +51,15 @@ from atroposlib.utils.kv_cache import cache_kwargs, output_cache
 logger = logging.getLogger(__name__)
 
 
+def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` (parameter name -> value, converted to the parameter's dtype) into
+    ``model``'s parameters in place; parameters tied to a given one follow it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+
+
 class EngineError(Exception):
     """Base class of errors the engine reports to a request."""
 
@@ -673,10 +682,8 @@ class GenerationEngine:
 
     def _copy_in_place(self, update: _InPlaceUpdate) -> tuple[float, float]:
         started = time.monotonic()
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.inference_mode(False), torch.no_grad():
-            for name, tensor in update.tensors.items():
-                params[name].copy_(tensor)
+        with torch.inference_mode(False):
+            copy_weights(self.model, update.tensors)
         copied = time.monotonic()
         if not self.compiled:
             # compiled graphs read the parameters themselves; the eager fast path's packed

@@ -54,6 +54,7 @@ from atroposlib.inference.engine import (
     RequestHandle,
     SampleOutput,
     StreamEvent,
+    copy_weights,
     release_model,
 )
 from atroposlib.inference.models import load_weights
@@ -614,10 +615,7 @@ def _fill_model(
     """Copy ``tensors`` into ``model``'s parameters (tied ones follow; converted to its dtype),
     then prepare its fast path; seconds of each."""
     started = time.monotonic()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            params[name].copy_(tensor)
+    copy_weights(model, tensors)
     copied = time.monotonic()
     engine.prepare_model(model)
     return copied - started, time.monotonic() - copied
