@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "eval_completion": "atroposlib.envs.rollout",
     "group_from_samples": "atroposlib.envs.rollout",
     "sample_chat_group": "atroposlib.envs.rollout",
+    # TRL-style environment classes (environment_factory) as envs
+    "EnvironmentClassEnv": "atroposlib.envs.environment_class",
+    "EnvironmentClassEnvConfig": "atroposlib.envs.environment_class",
     # a ready-made env family
     "MathVerifyEnv": "atroposlib.envs.math_verify_env",
     "MathVerifyEnvConfig": "atroposlib.envs.math_verify_env",
@@ -45,6 +48,8 @@ __all__ = [
     "BaseEnv",
     "BaseEnvConfig",
     "ChatSession",
+    "EnvironmentClassEnv",
+    "EnvironmentClassEnvConfig",
     "EvalHandlingEnum",
     "Item",
     "MathVerifyEnv",
@@ -88,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         ServerManager,
         ServerManagerConfig,
     )
+    from atroposlib.envs.environment_class import EnvironmentClassEnv, EnvironmentClassEnvConfig
     from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
     from atroposlib.envs.rollout import (
         ChatSession,
