@@ -35,6 +35,8 @@ MOVE = '<tool_call>{"name": "move", "arguments": {"direction": "%s"}}</tool_call
 RULES = {
     "<tool_response>\n2\n</tool_response>": ["Done."],
     "<tool_response>\n1\n</tool_response>": [CALL % 1],
+    "<|im_start|>tool\n2<|im_end|>": ["Done."],  # tool_format openai: plain tool messages
+    "<|im_start|>tool\n1<|im_end|>": [CALL % 1],
     '{"error"': ["Sorry."],
     "Reach 2.": [CALL % 1, CALL % 2, "I give up.", BAD],
     "You found the treasure!": ["I won."],
@@ -119,10 +121,23 @@ def reply_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def assert_episodes_follow_paths(group: dict, tokenizer: Any, paths: dict) -> set[str]:
-    """Each sequence is one known path: its trained tokens are exactly the path's replies (and
-    nothing else is trained on), the tool results are in the prompt part, the score is the
-    path's reward. Returns the paths seen."""
+def trained_turns(tokens: list[int], masks: list[int]) -> list[list[int]]:
+    """The token ids of each trained span (one per assistant turn)."""
+    spans: list[list[int]] = []
+    for i, (token, mask) in enumerate(zip(tokens, masks, strict=True)):
+        if mask != -100:
+            if i == 0 or masks[i - 1] == -100:
+                spans.append([])
+            spans[-1].append(token)
+    return spans
+
+
+def assert_episodes_follow_paths(
+    group: dict, tokenizer: Any, paths: dict, tool_format: str = "hermes"
+) -> set[str]:
+    """Each sequence is one known path: every trained span is exactly one of the path's replies
+    (its token ids and the end-of-turn token; nothing else is trained on), the tool results are
+    in the sequence but masked, the score is the path's reward. Returns the paths seen."""
     check_group(ScoredData(**group))
     seen = set()
     for tokens, masks, logprobs, score, messages in zip(
@@ -133,39 +148,51 @@ def assert_episodes_follow_paths(group: dict, tokenizer: Any, paths: dict) -> se
         group["messages"],
         strict=True,
     ):
-        turns = [m["content"] for m in messages if m["role"] == "assistant"]
-        replies, results, reward = paths[turns[0]]
-        seen.add(turns[0])
-        assert turns == replies
-        tool_results = [m["content"] for m in messages if m["role"] == "tool"]
-        assert tool_results == [f"<tool_response>\n{r}\n</tool_response>" for r in results]
+        spans = trained_turns(tokens, masks)
+        first = tokenizer.decode(spans[0], skip_special_tokens=True)
+        replies, results, reward = paths[first]
+        seen.add(first)
+        assert spans == [reply_ids(tokenizer, reply) for reply in replies]
         assert score == reward
-        trained = [t for t, m in zip(tokens, masks, strict=True) if m != -100]
-        assert trained == [t for reply in replies for t in reply_ids(tokenizer, reply)]
-        spans = sum(
-            1 for i, m in enumerate(masks) if m != -100 and (i == 0 or masks[i - 1] == -100)
-        )
-        assert spans == len(replies)  # every assistant turn trained on, the rest masked
+        wrap = "<tool_response>\n{}\n</tool_response>" if tool_format == "hermes" else "{}"
+        tool_results = [m["content"] for m in messages if m["role"] == "tool"]
+        assert tool_results == [wrap.format(r) for r in results]
+        assert sum(m["role"] == "assistant" for m in messages) == len(replies)
         text = tokenizer.decode(tokens)
         for result in results:  # the tool results are in the sequence, not trained on
-            assert f"<tool_response>\n{result}\n</tool_response>" in text
+            assert f"<|im_start|>tool\n{wrap.format(result)}<|im_end|>" in text
         assert all(lp == 1.0 for lp, m in zip(logprobs, masks, strict=True) if m == -100)
         assert all(-1.0 < lp <= 0.0 for lp, m in zip(logprobs, masks, strict=True) if m != -100)
     return seen
 
 
-async def test_counter_group_is_token_exact_across_turns(scripted, tokenizer, made) -> None:
+@pytest.mark.parametrize("tool_format", ["auto", "openai"])
+async def test_counter_group_is_token_exact_across_turns(
+    scripted, tokenizer, made, tool_format: str
+) -> None:
     env_cls = EnvironmentClassEnv.wrap(Counter, rows=[{"prompt": "Use the counter."}])
-    env = make(env_cls, scripted, made)
+    env = make(env_cls, scripted, made, tool_format=tool_format)
     await env.setup()
-    assert env.resolved_tool_format == "hermes"  # SmolLM2's template does not render tools
+    # SmolLM2's template does not render tools: auto lists them in the system prompt (hermes)
+    resolved = "hermes" if tool_format == "auto" else tool_format
+    assert env.resolved_tool_format == resolved
     group, backlog = await env.collect_trajectories({"prompt": "Use the counter.", "target": 2})
     assert backlog == [] and len(group["tokens"]) == 8
-    seen = assert_episodes_follow_paths(group, tokenizer, COUNTER_PATHS)
+    seen = assert_episodes_follow_paths(group, tokenizer, COUNTER_PATHS, resolved)
     assert len(seen) >= 2  # 8 samples over 4 paths
-    system = group["messages"][0][0]
-    assert system["role"] == "system" and '"name": "increment"' in system["content"]
-    assert group["messages"][0][1] == {"role": "user", "content": "Use the counter. Reach 2."}
+    user = {"role": "user", "content": "Use the counter. Reach 2."}
+    if resolved == "hermes":
+        system, first = group["messages"][0][:2]
+        assert system["role"] == "system" and '"name": "increment"' in system["content"]
+    else:  # the tools travel in the request; the replies' calls come back parsed
+        first = group["messages"][0][0]
+        for messages in group["messages"]:
+            for message in messages:
+                if message["role"] == "assistant" and message.get("tool_calls"):
+                    assert message["tool_calls"][0]["function"]["name"] == "increment"
+                if message["role"] == "tool":
+                    assert message["name"] == "increment" and message["tool_call_id"]
+    assert first == user
     assert group["generation_params"] == {"temperature": 1.0}
     assert "overrides" not in group  # get_reward scored every episode
     # the instances went back to the pool, to be reset for the next group
