@@ -337,3 +337,18 @@ def test_the_module_runs_a_class_named_on_the_command_line(scripted, tokenizer, 
     missing = _process(scripted, tmp_path, argv, "--env.environment_factory", "nowhere:Env")
     assert missing.returncode == 1
     assert "--env.environment_factory: cannot import 'nowhere'" in missing.stderr
+
+
+def test_the_documented_example_runs(scripted, tmp_path: Path) -> None:
+    """docs/env-adapters.md's counter, copied as a user would, processes a group."""
+    doc = (REPO / "docs" / "env-adapters.md").read_text()
+    section = doc[doc.index("## TRL environment classes") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "counter_env.py"
+    script.write_text(code)
+    proc = _process(scripted, tmp_path, [str(script)], "--env.max_tokens_per_turn", "16")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (group,) = [json.loads(line) for line in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    check_group(ScoredData(**group))
+    assert len(group["tokens"]) == 4
+    assert all(s in (0.0, 1.0) for s in group["scores"])
