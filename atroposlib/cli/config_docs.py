@@ -39,11 +39,17 @@ def _sections() -> dict[str, Callable[[], str]]:
 
         return render_table(FLAGS, env=True)
 
+    def check_options() -> str:
+        from atroposlib.envs.check import CheckOptions
+
+        return render_table(ModelFlags(CheckOptions, prefix="check."))
+
     return {
         "api-settings": api_settings,
         "env-config": lambda: render_table(ModelFlags(BaseEnvConfig, prefix="env.")),
         "openai-config": lambda: render_table(ModelFlags(APIServerConfig, prefix="openai.")),
         "server-manager-config": lambda: render_table(ModelFlags(ServerManagerConfig)),
+        "env-check": check_options,
         "atropos-serve": parser_of("atroposlib.inference.cli"),
         "atropos-sft-gen": parser_of("atroposlib.cli.sft"),
         "atropos-dpo-gen": parser_of("atroposlib.cli.dpo"),

@@ -64,12 +64,16 @@ COMMANDS = {
     "serve": "Run the env against a trajectory API (run-api) and a trainer.",
     "process": "Roll out groups offline (no API, no trainer) into JSONL + HTML.",
     "evaluate": "Run the env's evaluate() once and write metrics.json / samples.jsonl.",
+    "check": "Check the env keeps the contract: a few items and evaluate() against a real "
+    "server (the embedded atropos-serve by default); exit 1 on any error.",
 }
 ENV_PREFIX = f"{ENV_NAMESPACE}{NAMESPACE_SEP}"
 OPENAI_PREFIX = f"{OPENAI_NAMESPACE}{NAMESPACE_SEP}"
 MANAGER_KEYS = tuple(ServerManagerConfig.model_fields)
 #: Key of the un-prefixed ``ServerManagerConfig`` flags in :func:`model_flags`.
 MANAGER = "manager"
+#: Key (and flag prefix) of the ``check`` command's own options (``--check.*``).
+CHECK = "check"
 
 
 class CliError(Exception):
@@ -92,6 +96,8 @@ class ResolvedConfig:
     yaml_config: dict[str, Any]
     # More constructor arguments (``teacher_server_configs`` of a TeacherDistillationEnv).
     extra_env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The command's own options (``check``: ``CheckOptions``), None for the others.
+    command_options: Any = None
 
 
 # ---------------------------------------------------------------------------- parser
@@ -124,7 +130,12 @@ def _mode_env_defaults(env_cls: type, command: str, base: dict[str, Any]) -> dic
     out = dict(base)
     if out.get("wandb_name") is None:
         out["wandb_name"] = env_cls.name or env_cls.__name__
-    if command == "process":
+    if command == "check":  # flat groups are reported, not dropped; nothing is written
+        out["ensure_scores_are_not_same"] = False
+        out["include_messages"] = True
+        out["use_wandb"] = False
+        out["data_path_to_save_groups"] = None
+    elif command == "process":
         out["ensure_scores_are_not_same"] = False
         out["include_messages"] = True
         if out.get("data_path_to_save_groups") is None:
@@ -158,6 +169,10 @@ def model_flags(
             teacher_cls, prefix=f"{teacher}{NAMESPACE_SEP}", defaults=teacher_defaults
         )
     flags[MANAGER] = ModelFlags(ServerManagerConfig)
+    if command == CHECK:
+        from atroposlib.envs.check import CheckOptions
+
+        flags[CHECK] = ModelFlags(CheckOptions, prefix=f"{CHECK}{NAMESPACE_SEP}")
     return flags
 
 
@@ -170,11 +185,12 @@ def build_parser(env_cls: type, defaults: tuple[Any, Any] | None = None) -> argp
         description=f"CLI for {env_cls.__name__}. Precedence: flags > --config YAML > "
         "config_init() defaults.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,process,evaluate}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     titles = {
         ENV_NAMESPACE: "environment (--env.*)",
         OPENAI_NAMESPACE: "inference server (--openai.*)",
         MANAGER: "server manager",
+        CHECK: "the check (--check.*)",
     }
     for command, help_text in COMMANDS.items():
         cmd = sub.add_parser(
@@ -273,7 +289,7 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
     args, unknown = parser.parse_known_args(list(argv))
     if args.command is None:
         parser.print_help(sys.stderr)
-        raise CliError("choose a command: serve, process or evaluate")
+        raise CliError(f"choose a command: {', '.join(COMMANDS)}")
     if unknown:
         sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
         known = [opt for action in sub._actions for opt in action.option_strings]
@@ -360,8 +376,11 @@ def resolve_config(env_cls: type, argv: Sequence[str]) -> ResolvedConfig:
             raise CliError(f"{teacher}: {exc.message}", exit_code=exc.exit_code) from None
         if teacher_configs is not None:
             extra["teacher_server_configs"] = teacher_configs
+    options = None
+    if args.command == CHECK:
+        options = validated(CHECK, flags[CHECK].values(args), {})
     return ResolvedConfig(
-        args.command, env_config, server_configs, manager_config, yaml_config, extra
+        args.command, env_config, server_configs, manager_config, yaml_config, extra, options
     )
 
 
@@ -456,6 +475,12 @@ def run_cli(env_cls: type, argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code
+    if resolved.command == CHECK:
+        from atroposlib.envs.check import run_check
+
+        report = run_check(env_cls, resolved, resolved.command_options)
+        print(report.render())
+        return 0 if report.ok else 1
     from rich.console import Console
 
     console = Console(stderr=True)

@@ -5,11 +5,13 @@ writes them (the lighteval-like layout nous-evals reads), ``pass_at_k``, and the
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate_log", "log_env_evaluation", "pass_at_k", "run_env_eval"]
+__all__ = ["EVAL_ITEM_LIMIT", "evaluate_log", "log_env_evaluation", "pass_at_k", "run_env_eval"]
+
+#: When set, ``run_eval`` runs only the first N of its jobs (``check`` sets it, so that an
+#: env's evaluation is exercised without running its whole held-out set).
+EVAL_ITEM_LIMIT: ContextVar[int | None] = ContextVar("EVAL_ITEM_LIMIT", default=None)
 
 
 def pass_at_k(m: int, c: int, k: int) -> float:
@@ -143,7 +149,15 @@ async def run_env_eval(
     """``BaseEnv.run_eval``: ``jobs`` at most ``max_eval_workers`` at a time (progress bar
     ``desc``), ``metrics(samples)``, then ``env.evaluate_log``; the metrics."""
     start = time.time()
-    samples = await gather_bounded(list(jobs), env.config.max_eval_workers, desc=desc)
+    jobs = list(jobs)
+    limit = EVAL_ITEM_LIMIT.get()
+    if limit is not None and len(jobs) > limit:
+        logger.info("evaluating %d of %d items (a check)", limit, len(jobs))
+        for job in jobs[limit:]:
+            if inspect.iscoroutine(job):
+                job.close()  # never started
+        jobs = jobs[:limit]
+    samples = await gather_bounded(jobs, env.config.max_eval_workers, desc=desc)
     result = metrics(samples)
     await env.evaluate_log(
         result,

@@ -23,26 +23,10 @@ from atroposlib.envs import EnvironmentClassEnv
 from atroposlib.envs.environment_class import EnvironmentContractError, load_factory
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 from atroposlib.schema import ScoredData, check_group
-from tests.conftest import REPO, start_server
+from tests.conftest import REPO
+from tests.envs.conftest import BAD, CALL, MOVE
 from tests.envs.env_classes import Counter, NoReset, NoReward, TinyTextGame, Undescribed
-from tests.upstream_envs.scripted_model import build_scripted_model
 
-STANDINS = REPO / "tests" / "upstream_envs" / "standins"
-CALL = '<tool_call>{"name": "increment", "arguments": {"step": %d}}</tool_call>'
-BAD = '<tool_call>{"name": "increment", "arguments": {"step": "two"}}</tool_call>'
-MOVE = '<tool_call>{"name": "move", "arguments": {"direction": "%s"}}</tool_call>'
-#: First rule whose text is in the prompt picks the replies (a group samples among them).
-RULES = {
-    "<tool_response>\n2\n</tool_response>": ["Done."],
-    "<tool_response>\n1\n</tool_response>": [CALL % 1],
-    "<|im_start|>tool\n2<|im_end|>": ["Done."],  # tool_format openai: plain tool messages
-    "<|im_start|>tool\n1<|im_end|>": [CALL % 1],
-    '{"error"': ["Sorry."],
-    "Reach 2.": [CALL % 1, CALL % 2, "I give up.", BAD],
-    "You found the treasure!": ["I won."],
-    "You see a door.": [MOVE % "north"],
-    "Find the treasure.": [MOVE % "north", MOVE % "up"],
-}
 #: Each counter path: the assistant turns, the tool results, the reward.
 COUNTER_PATHS = {
     CALL % 1: ([CALL % 1, CALL % 1, "Done."], ["1", "2"], 1.0),
@@ -65,19 +49,8 @@ GAME_PATHS = {
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory: pytest.TempPathFactory):
-    """atropos-serve running the scripted tool user, served as ``tiny``."""
-    model = build_scripted_model(tmp_path_factory.mktemp("scripted") / "tools", RULES)
-    with pytest.MonkeyPatch.context() as patch:  # the server loads the scripted model type
-        patch.setenv("PYTHONPATH", str(STANDINS))
-        patch.setenv("ATROPOS_SCRIPTED_MODEL", "1")
-        server = start_server(
-            tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
-        )
-    try:
-        yield server, model
-    finally:
-        server.stop()
+def scripted(scripted_tools):
+    return scripted_tools
 
 
 @pytest.fixture(scope="module")
