@@ -47,7 +47,7 @@ from a plain OpenAI endpoint (re-tokenized, no logprobs), with one call::
 For several turns (tool calls, games) a ``ChatSession`` from the same module keeps the
 conversation and its tokens/masks across turns.
 
-Run it with ``YourEnv.cli()``: ``python your_env.py serve|process|evaluate --help``.
+Run it with ``YourEnv.cli()``: ``python your_env.py serve|process|evaluate|check --help``.
 
 Where the runtime lives
 -----------------------
@@ -477,7 +477,7 @@ class BaseEnv(ABC):
 
     @classmethod
     def cli(cls) -> None:
-        """Command line: ``python env.py serve|process|evaluate [--env.X v] [--openai.X v]
+        """Command line: ``python env.py serve|process|evaluate|check [--env.X v] [--openai.X v]
         [--config f.yaml] [--slurm] [--testing]`` (``--help`` lists every flag)."""
         from atroposlib.envs.cli import run_cli
 
