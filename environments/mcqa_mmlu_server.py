@@ -161,9 +161,7 @@ class MMLUEnv(BaseEnv):
             group["scores"] = length_penalty_scores(
                 [len(t) for t in group["tokens"]], self.config.max_token_length
             )
-        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
-            return None, []
-        return group, []
+        return group, []  # a flat group is dropped (and counted) by the sender
 
     async def _eval_one(self, row: dict[str, Any]) -> dict[str, Any]:
         messages = self.messages_for(row)

@@ -199,9 +199,7 @@ class CodingEnv(BaseEnv):
             samples, [self.reward(r) for r in reports], group_size=self.config.group_size
         )
         self.log_train_metric("train/pass_rate", [float(r.all_passed) for r in reports])
-        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
-            return None, []
-        return group, []
+        return group, []  # a flat group is dropped (and counted) by the sender
 
     async def _eval_one(self, task: dict[str, Any]) -> dict[str, Any]:
         messages = self.messages_for(task)

@@ -384,9 +384,7 @@ class DatasetEnv(BaseEnv):
                 [len(t) for t in group["tokens"]], self.config.max_token_length
             )
             group["scores"] = [s * f for s, f in zip(group["scores"], factors, strict=True)]
-        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
-            return None
-        return group
+        return group  # a flat group is dropped (and counted) by the sender
 
     def _max_tokens(self) -> int:
         return (

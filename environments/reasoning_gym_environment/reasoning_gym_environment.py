@@ -288,9 +288,7 @@ class ReasoningGymEnv(BaseEnv):
                 s if len(t) <= cut else s * (1.0 - min((len(t) - cut) / (max_len - cut), 1.0))
                 for s, t in zip(group["scores"], group["tokens"], strict=True)
             ]
-        if self.config.ensure_scores_are_not_same and len(set(group["scores"])) == 1:
-            return None
-        return group
+        return group  # a flat group is dropped (and counted) by the sender
 
     async def collect_trajectories(
         self, item: dict[str, Any]

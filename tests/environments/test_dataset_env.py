@@ -71,7 +71,9 @@ def test_group_has_matching_lengths_and_length_penalty_when_all_are_best(env) ->
     # lengths 15, 85, 100, 65 with max 100: factors 1, 0.3, 0, 0.7, times the best reward 1.5
     assert group["scores"] == pytest.approx([1.5, 0.45, 0.0, 1.05])
     env.config.ensure_scores_are_not_same = True
-    assert env.score_samples([fake_sample("no"), fake_sample("nope")], ROW) is None
+    flat = env.score_samples([fake_sample("no"), fake_sample("nope")], ROW)
+    assert flat is not None and len(set(flat["scores"])) == 1  # the sender drops it, counted
+    assert env._check_group(flat, abort_on_too_long=False) == "same_scores"
 
 
 def test_upstream_reward_entries_and_params(tiny_model_dir: Path) -> None:

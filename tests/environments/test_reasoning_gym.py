@@ -142,7 +142,9 @@ def test_group_lengths_overrides_and_length_penalty(env, arithmetic) -> None:
     group = env.score_samples(right, entry, dataset)
     assert group["scores"] == pytest.approx([1.0, 0.8, 0.4, 0.0])
     env.config.ensure_scores_are_not_same = True
-    assert env.score_samples([fake_sample("x"), fake_sample("y")], entry, dataset) is None
+    flat = env.score_samples([fake_sample("x"), fake_sample("y")], entry, dataset)
+    assert flat is not None and len(set(flat["scores"])) == 1  # the sender drops it, counted
+    assert env._check_group(flat, abort_on_too_long=False) == "same_scores"
     short = env.score_samples([fake_sample(f"<answer>{answer}</answer>", 3)], entry, dataset)
     assert short is None  # fewer than min_completion_tokens (10) trainable tokens
 
