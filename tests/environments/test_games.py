@@ -123,6 +123,7 @@ def test_textworld_walkthrough_wins_and_progress_scores(tmp_path: Path) -> None:
     assert (tmp_path / "tw_r2_o3_q2_s0.z8").is_file()  # cached for the next reset
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "turns"),

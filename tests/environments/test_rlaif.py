@@ -89,6 +89,7 @@ def _cli(script: str, command: str, serve, model: Path, out: Path, *extra: str):
     return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_process_and_evaluate_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
     judge = ["--env.judge_base_url", tiny_serve.url + "/v1", "--env.judge_model_name", "tiny"]

@@ -184,6 +184,7 @@ def screenshot(browser: Browser, path: Path) -> None:
     print(f"\nview-run screenshot: {path}")
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_grab_next_batch_in_a_real_browser(browser: Browser, start_api, tmp_path: Path) -> None:
     api = start_api()

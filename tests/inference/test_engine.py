@@ -58,6 +58,7 @@ def test_shared_prompt_prefix_is_computed_once_without_changing_results(
             assert abs(x - z) < 1e-3 and abs(y - z) < 1e-3
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")
 def test_compiled_decode_matches_eager_and_survives_a_reload(

@@ -70,6 +70,7 @@ def test_greedy_generations_equal_transformers_generate(tiny_model_dir: Path) ->
     _check_greedy_equals_transformers(str(tiny_model_dir), "float32", max_tokens=80)
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_smollm2_greedy_generations_equal_transformers_generate() -> None:
     """The real model, in float32: in bf16 the rounding of a batch of rows differs from that of

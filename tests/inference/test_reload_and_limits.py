@@ -141,6 +141,7 @@ def test_api_key_required(guarded_server):
     assert client.models.list().data[0].id == SERVED_NAME
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 async def test_overload_answers_429_and_never_hangs(guarded_server):
     client = openai.AsyncOpenAI(
         base_url=guarded_server.url + "/v1", api_key="sekret", max_retries=0, timeout=60

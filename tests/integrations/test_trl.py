@@ -322,6 +322,7 @@ def _tagged(tag: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_two_ranks_train_each_sequence_once(tmp_path: Path, tiny_model_dir: Path, start_api):
     """``accelerate launch --multi_gpu --num_processes 2`` (no GPU here: gloo on the CPU): rank 0 pulls each batch and

@@ -145,6 +145,7 @@ def test_a_killed_worker_is_restarted_and_every_group_is_accounted_for(
         assert not _alive(int(pid_text)), f"pid {pid_text} outlived the run"
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 def test_a_worker_failing_past_its_budget_stops_the_run_with_its_log(
     tmp_path: Path, tiny_model_dir: Path
 ):
@@ -242,6 +243,7 @@ def test_dry_run_prints_every_command_without_starting_anything(tmp_path: Path):
     assert not (tmp_path / "q" / "logs").exists()
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_the_shipped_quickstart_run_description_trains_locally(tmp_path: Path):
     """example_trainer/configs/quickstart-run.yaml, unchanged but for the output folder:
@@ -312,6 +314,7 @@ KEY_PROBE = Path(__file__).with_name("key_probe.py")
 TOKEN_ENV = ROOT / "tests" / "trainer" / "token_env.py"
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow  # ~45 s: run-api, atropos-serve, an env generating and a trainer
 def test_inference_servers_of_a_run_bound_beyond_loopback_require_the_runs_key(
     tmp_path: Path, tiny_model_dir: Path

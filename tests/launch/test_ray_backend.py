@@ -105,6 +105,7 @@ def _spec(cluster: RayCluster, out: Path, model: Path, **trainer_args: str) -> R
     )
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 def test_two_node_run_restarts_killed_workers_and_accounts_for_every_group(
     ray_cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -295,6 +296,7 @@ def test_cli_names_a_bad_resources_field(tmp_path: Path) -> None:
     assert "environments[0].resources: CPU: use cpus / gpus, not resources" in done.stderr
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_the_shipped_quickstart_run_description_trains_on_ray(
     ray_cluster: RayCluster, tmp_path: Path

@@ -54,6 +54,7 @@ def _checked(result: CheckResult) -> set[str]:
     return {r.name for r in result.rules if r.status != "skip"}
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 def test_reference_trainer_passes(tmp_path: Path, tiny_model_dir: Path) -> None:
     result = _check(tmp_path, tiny_model_dir, [sys.executable, WRONG])
     assert result.passed, result.render()
@@ -91,6 +92,7 @@ def test_each_defect_fails_its_rule(tmp_path: Path, tiny_model_dir: Path, defect
     assert result.rule("weights").status == "skip"
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 def test_a_registration_that_refuses_the_groups(tmp_path: Path, tiny_model_dir: Path) -> None:
     """run-api refuses sequences longer than the registered max_token_len: the check says so
     and stops the trainer waiting for batches that cannot come (instead of the timeout)."""
@@ -105,6 +107,7 @@ def test_a_registration_that_refuses_the_groups(tmp_path: Path, tiny_model_dir: 
     assert "refused" in result.rule("trainer_runs").problems[0]
 
 
+@pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 def test_a_report_that_lies_is_caught_by_the_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Trains with flipped signs but reports the right advantages: only the log-probabilities
     of the saved model show it."""
