@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import ChatSession
+from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import (
     CORPUS,
@@ -292,25 +292,15 @@ class ToolCallingEnv(BaseEnv):
                 for _ in range(self.config.group_size)
             )
         )
-        group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
-        logprobs = []
-        for traj, stats in results:
+        for _, stats in results:
             for key in ("score", "correct", "answered", "calls", "valid_call_rate"):
                 self.log_train_metric(f"train/{key}", stats[key])
-            if traj is None:
-                continue
-            group["tokens"].append(traj["tokens"])
-            group["masks"].append(traj["masks"])
-            group["scores"].append(traj["score"])
-            group["messages"].append(traj["messages"])
-            if "inference_logprobs" in traj:
-                logprobs.append(traj["inference_logprobs"])
-        if not group["tokens"]:
-            return None, []
-        if len(logprobs) == len(group["tokens"]):
-            group["inference_logprobs"] = logprobs
-        n = len(group["tokens"])
-        group["group_overrides"] = {"group_size": n} if n != self.config.group_size else {}
+        trajectories = [traj for traj, _ in results]
+        group = group_from_trajectories(
+            trajectories,
+            [traj["score"] if traj is not None else None for traj in trajectories],
+            group_size=self.config.group_size,
+        )
         return group, []
 
     async def _eval_task(self, task: dict[str, Any]) -> dict[str, Any]:

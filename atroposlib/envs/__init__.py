@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Sample": "atroposlib.envs.rollout",
     "eval_completion": "atroposlib.envs.rollout",
     "group_from_samples": "atroposlib.envs.rollout",
+    "group_from_trajectories": "atroposlib.envs.rollout",
     "sample_chat_group": "atroposlib.envs.rollout",
     # TRL-style environment classes (environment_factory) as envs
     "EnvironmentClassEnv": "atroposlib.envs.environment_class",
@@ -62,6 +63,7 @@ __all__ = [
     "ServerManagerConfig",
     "eval_completion",
     "group_from_samples",
+    "group_from_trajectories",
     "local_server_configs",
     "sample_chat_group",
 ]
@@ -100,6 +102,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         Sample,
         eval_completion,
         group_from_samples,
+        group_from_trajectories,
         sample_chat_group,
     )
     from atroposlib.envs.server_handling.server_baseline import local_server_configs

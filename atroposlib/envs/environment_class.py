@@ -73,7 +73,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import ChatSession
+from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import (
     ParsedCall,
@@ -649,25 +649,9 @@ class EnvironmentClassEnv(BaseEnv):
             item, self.config.group_size, temperature=self.config.temperature
         )
         self._log("train", episodes)
-        kept = [(e, t) for e, t in zip(episodes, totals, strict=True) if e.trajectory is not None]
-        if not kept:
-            return None, []
-        group = ScoredDataGroup(
-            tokens=[e.trajectory["tokens"] for e, _ in kept],
-            masks=[e.trajectory["masks"] for e, _ in kept],
-            scores=[0.0 if t is None else t for _, t in kept],
-            messages=[e.trajectory["messages"] for e, _ in kept],
+        group = group_from_trajectories(
+            [e.trajectory for e in episodes], totals, group_size=self.config.group_size
         )
-        logprobs = [e.trajectory.get("inference_logprobs") for e, _ in kept]
-        if all(lp is not None for lp in logprobs):
-            group["inference_logprobs"] = logprobs
-        params = kept[0][0].trajectory.get("generation_params")
-        if params:
-            group["generation_params"] = dict(params)
-        if any(t is None for _, t in kept):
-            group["overrides"] = [{"set_advantage_to_zero": t is None} for _, t in kept]
-        if len(kept) != self.config.group_size:
-            group["group_overrides"] = {"group_size": len(kept)}
         return group, []
 
     # ------------------------------------------------------------------ evaluation

@@ -12,6 +12,7 @@ logprobs) and a plain OpenAI endpoint (the chat is re-tokenized locally with
 * ``eval_completion``: one evaluation completion (``split="eval"``), text and finish reason.
 * ``ChatSession``: one multi-turn conversation (observations, tool calls and results) and
   its training trajectory, every assistant turn trained on.
+* ``group_from_trajectories``: the ``ScoredDataGroup`` of scored ``ChatSession`` trajectories.
 
 A single-turn environment::
 
@@ -39,6 +40,7 @@ __all__ = [
     "Sample",
     "eval_completion",
     "group_from_samples",
+    "group_from_trajectories",
     "node_logprobs",
     "sample_chat_group",
     "uses_token_server",
@@ -195,6 +197,54 @@ def group_from_samples(
         group["overrides"] = [dict(p) for p in params]
     if group_size is not None and len(samples) != group_size:
         group["group_overrides"] = {"group_size": len(samples)}
+    return group
+
+
+def group_from_trajectories(
+    trajectories: Sequence[dict[str, Any] | None],
+    scores: Sequence[float | None],
+    *,
+    group_size: int | None = None,
+) -> ScoredDataGroup | None:
+    """The ``ScoredDataGroup`` of multi-turn episodes: ``ChatSession.trajectory()`` results
+    and one score each (in order).
+
+    An episode whose trajectory is None (the model never spoke) is left out. A score of None
+    (nothing could score the episode) is sent as 0.0 with
+    ``overrides[i].set_advantage_to_zero``, so it teaches nothing. ``inference_logprobs`` is
+    set only when every kept trajectory has them; ``generation_params`` once when the episodes
+    were sampled alike (else per sequence in ``overrides``); ``group_overrides.group_size`` when
+    ``group_size`` is given and fewer episodes are kept. None when no episode is kept.
+
+    Raises:
+        ValueError: ``scores`` and ``trajectories`` differ in length.
+    """
+    if len(scores) != len(trajectories):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(scores)} scores")
+    kept = [(t, s) for t, s in zip(trajectories, scores, strict=True) if t is not None]
+    if not kept:
+        return None
+    group = ScoredDataGroup(
+        tokens=[t["tokens"] for t, _ in kept],
+        masks=[t["masks"] for t, _ in kept],
+        scores=[0.0 if s is None else float(s) for _, s in kept],
+        messages=[t["messages"] for t, _ in kept],
+    )
+    logprobs = [t.get("inference_logprobs") for t, _ in kept]
+    if all(lp is not None for lp in logprobs):
+        group["inference_logprobs"] = logprobs  # type: ignore[misc]
+    params = [t.get("generation_params") or {} for t, _ in kept]
+    same = all(p == params[0] for p in params)
+    if same and params[0]:
+        group["generation_params"] = dict(params[0])
+    overrides = [
+        ({} if same else dict(p)) | ({"set_advantage_to_zero": True} if s is None else {})
+        for p, (_, s) in zip(params, kept, strict=True)
+    ]
+    if any(overrides):
+        group["overrides"] = overrides
+    if group_size is not None and len(kept) != group_size:
+        group["group_overrides"] = {"group_size": len(kept)}
     return group
 
 

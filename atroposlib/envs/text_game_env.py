@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import Field
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.rollout import ChatSession
+from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
 __all__ = ["TextGame", "TextGameEnv", "TextGameEnvConfig", "parse_action"]
@@ -205,27 +205,14 @@ class TextGameEnv(BaseEnv, ABC):
                 for _ in range(self.config.group_size)
             )
         )
-        group: ScoredDataGroup = {"tokens": [], "masks": [], "scores": [], "messages": []}
-        logprobs: list[list[float]] = []
-        for traj, stats in results:
+        for _, stats in results:
             for key in ("score", "success", "turns", "invalid_rate"):
                 self.log_train_metric(f"train/{key}", stats[key])
-            if traj is None:
-                continue
-            group["tokens"].append(traj["tokens"])
-            group["masks"].append(traj["masks"])
-            group["scores"].append(float(traj["score"]))
-            group["messages"].append(traj["messages"])
-            if "inference_logprobs" in traj:
-                logprobs.append(traj["inference_logprobs"])
-        if not group["tokens"]:
-            return None, []
-        if len(logprobs) == len(group["tokens"]):
-            group["inference_logprobs"] = logprobs
-        group["group_overrides"] = (
-            {"group_size": len(group["tokens"])}
-            if len(group["tokens"]) != self.config.group_size
-            else {}
+        trajectories = [traj for traj, _ in results]
+        group = group_from_trajectories(
+            trajectories,
+            [traj["score"] if traj is not None else None for traj in trajectories],
+            group_size=self.config.group_size,
         )
         return group, []
 

@@ -256,3 +256,36 @@ def test_chat_for_template() -> None:
         {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'},
         {"role": "tool", "content": "2"},
     ]  # fmt: skip
+
+
+def test_group_from_trajectories_keeps_what_each_episode_gave() -> None:
+    from atroposlib.envs.rollout import group_from_trajectories
+
+    def traj(n: int, logprobs: bool = True, temperature: float = 1.0) -> dict:
+        out = {
+            "tokens": list(range(n)),
+            "masks": [-100] * 2 + list(range(2, n)),
+            "messages": [{"role": "user", "content": str(n)}],
+            "generation_params": {"temperature": temperature},
+        }
+        if logprobs:
+            out["inference_logprobs"] = [1.0] * 2 + [-0.5] * (n - 2)
+        return out
+
+    group = group_from_trajectories([traj(4), None, traj(5)], [1.0, 0.5, None], group_size=3)
+    assert group["tokens"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]  # the silent episode is left out
+    assert group["scores"] == [1.0, 0.0]
+    assert group["overrides"] == [{}, {"set_advantage_to_zero": True}]
+    assert group["group_overrides"] == {"group_size": 2}
+    assert group["generation_params"] == {"temperature": 1.0}
+    assert len(group["inference_logprobs"]) == 2
+    check_group(ScoredData(**group))
+    mixed = group_from_trajectories(
+        [traj(4, temperature=0.7), traj(4, logprobs=False)], [1.0, 0.0], group_size=2
+    )
+    assert "inference_logprobs" not in mixed and "group_overrides" not in mixed
+    assert "generation_params" not in mixed
+    assert mixed["overrides"] == [{"temperature": 0.7}, {"temperature": 1.0}]
+    assert group_from_trajectories([None, None], [1.0, 0.0]) is None
+    with pytest.raises(ValueError, match="2 trajectories but 1 scores"):
+        group_from_trajectories([None, None], [1.0])
