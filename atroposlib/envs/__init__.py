@@ -38,6 +38,9 @@ _EXPORTS: dict[str, str] = {
     # TRL-style environment classes (environment_factory) as envs
     "EnvironmentClassEnv": "atroposlib.envs.environment_class",
     "EnvironmentClassEnvConfig": "atroposlib.envs.environment_class",
+    # OpenEnv environments (extra ``openenv``)
+    "OpenEnvEnv": "atroposlib.envs.openenv_env",
+    "OpenEnvEnvConfig": "atroposlib.envs.openenv_env",
     # a ready-made env family
     "MathVerifyEnv": "atroposlib.envs.math_verify_env",
     "MathVerifyEnvConfig": "atroposlib.envs.math_verify_env",
@@ -55,6 +58,8 @@ __all__ = [
     "Item",
     "MathVerifyEnv",
     "MathVerifyEnvConfig",
+    "OpenEnvEnv",
+    "OpenEnvEnvConfig",
     "Sample",
     "ScoredDataGroup",
     "ScoredDataItem",
@@ -97,6 +102,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from atroposlib.envs.environment_class import EnvironmentClassEnv, EnvironmentClassEnvConfig
     from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
+    from atroposlib.envs.openenv_env import OpenEnvEnv, OpenEnvEnvConfig
     from atroposlib.envs.rollout import (
         ChatSession,
         Sample,

@@ -10,6 +10,7 @@ from tests.upstream_envs.scripted_model import build_scripted_model
 STANDINS = REPO / "tests" / "upstream_envs" / "standins"
 CALL = '<tool_call>{"name": "increment", "arguments": {"step": %d}}</tool_call>'
 BAD = '<tool_call>{"name": "increment", "arguments": {"step": "two"}}</tool_call>'
+ACT = '<tool_call>{"name": "act", "arguments": {"direction": "%s", "steps": %d}}</tool_call>'
 MOVE = '<tool_call>{"name": "move", "arguments": {"direction": "%s"}}</tool_call>'
 #: First rule whose text is in the prompt picks the replies (a group samples among them).
 RULES = {
@@ -22,6 +23,11 @@ RULES = {
     "You found the treasure!": ["I won."],
     "You see a door.": [MOVE % "north"],
     "Find the treasure.": [MOVE % "north", MOVE % "up"],
+    # OpenEnv (tests/envs/openenv_envs.py): the word game, then the walk (tool mode)
+    "Not my fruit.": ["pear"],
+    "Guess my fruit (4 letters).": ["pear", "apple"],
+    '"position": 1': [ACT % ("north", 2)],
+    "Walk to the exit": [ACT % ("north", 3), ACT % ("north", 1), ACT % ("south", 1)],
 }
 
 
