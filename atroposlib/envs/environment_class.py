@@ -382,7 +382,6 @@ class EnvironmentClassEnv(BaseEnv):
             batch_size=16,
             steps_per_eval=50,
             wandb_name=cls.name,
-            ensure_scores_are_not_same=False,
         )
         return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
