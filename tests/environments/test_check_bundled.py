@@ -68,7 +68,7 @@ def test_every_bundled_env_passes_check(tiny_serve, tiny_model_dir: Path, tmp_pa
         "--openai.base_url", tiny_serve.url + "/v1", "--openai.model_name", "tiny",
         "--openai.server_type", "vllm", "--openai.api_key", "x",
         "--openai.tokenizer_name", str(tiny_model_dir),
-        "--check.serve", "never", "--check.eval_items", "2",
+        "--check.serve", "never", "--check.items", "1", "--check.eval_items", "1",
     ]  # fmt: skip
     jobs = [
         {
