@@ -102,6 +102,25 @@ class EnvironmentContractError(TypeError):
     names the class, the method and what is wrong."""
 
 
+def split_factory_spec(spec: str) -> tuple[str, str]:
+    """``(module, name)`` of ``package.module:Name`` or ``path/to/file.py:Name``.
+
+    Raises:
+        ValueError: ``spec`` is not of that form.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'package.module:Class' or 'file.py:Class', got {spec!r}")
+    return module_name, attr
+
+
+def factory_spec(value: str) -> str:
+    """A config validator: ``value`` unchanged when empty or a well-formed factory spec."""
+    if value:
+        split_factory_spec(value)
+    return value
+
+
 def load_factory(spec: str, flag: str = "--env.environment_factory") -> Callable[[], Any]:
     """The factory named by ``spec``: ``package.module:Name`` or ``path/to/file.py:Name``.
 
@@ -109,11 +128,10 @@ def load_factory(spec: str, flag: str = "--env.environment_factory") -> Callable
         ValueError: ``spec`` is malformed, the module cannot be imported or lacks ``Name``
             (the message starts with ``flag``).
     """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"{flag}: expected 'package.module:Class' or 'file.py:Class', got {spec!r}"
-        )
+    try:
+        module_name, attr = split_factory_spec(spec)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
     try:
         if module_name.endswith(".py"):
             path = Path(module_name).resolve()
@@ -230,6 +248,22 @@ def _prompt_of(row: dict[str, Any]) -> list[dict[str, Any]]:
     )
 
 
+def adapter_config_init(env_cls: type[BaseEnv]) -> tuple[Any, list[APIServerConfig]]:
+    """``config_init`` of the adapter envs (this one, ``OpenEnvEnv``): ``env_cls``'s config
+    class with the defaults of a local run (SmolLM2 on the embedded ``atropos-serve``)."""
+    env_config = env_cls.env_config_cls(
+        tokenizer_name="SmolLM2-135M-Instruct",
+        group_size=4,
+        use_wandb=False,
+        max_token_length=2048,
+        total_steps=100,
+        batch_size=16,
+        steps_per_eval=50,
+        wandb_name=env_cls.name,
+    )
+    return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+
+
 class EnvironmentClassEnvConfig(BaseEnvConfig):
     """Settings of :class:`EnvironmentClassEnv` (on top of ``BaseEnvConfig``)."""
 
@@ -273,13 +307,7 @@ class EnvironmentClassEnvConfig(BaseEnvConfig):
         "tools, else hermes",
     )
 
-    @field_validator("environment_factory")
-    @classmethod
-    def _factory_spec(cls, value: str) -> str:
-        module, sep, attr = value.partition(":")
-        if value and not (sep and module and attr):
-            raise ValueError(f"expected 'package.module:Class' or 'file.py:Class', got {value!r}")
-        return value
+    _factory_spec = field_validator("environment_factory")(factory_spec)
 
     tools_in_threads: bool = Field(
         default=True,
@@ -373,17 +401,7 @@ class EnvironmentClassEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[EnvironmentClassEnvConfig, list[APIServerConfig]]:
-        env_config = EnvironmentClassEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            max_token_length=2048,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name=cls.name,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+        return adapter_config_init(cls)
 
     # ------------------------------------------------------------------ setup
 

@@ -45,9 +45,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.environment_class import load_factory
+from atroposlib.envs.environment_class import adapter_config_init, factory_spec, load_factory
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
-from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import ToolRegistry, parse_hermes_calls, parse_openai_calls
 
 __all__ = ["OpenEnvEnv", "OpenEnvEnvConfig", "OpenEnvEpisode"]
@@ -97,13 +96,7 @@ class OpenEnvEnvConfig(BaseEnvConfig):
         default=None, description="A system message before the first observation"
     )
 
-    @field_validator("environment", "action_class")
-    @classmethod
-    def _spec(cls, value: str) -> str:
-        module, sep, attr = value.partition(":")
-        if value and not (sep and module and attr):
-            raise ValueError(f"expected 'package.module:Class' or 'file.py:Class', got {value!r}")
-        return value
+    _spec = field_validator("environment", "action_class")(factory_spec)
 
     @model_validator(mode="after")
     def _one_source(self) -> OpenEnvEnvConfig:
@@ -228,17 +221,7 @@ class OpenEnvEnv(BaseEnv):
 
     @classmethod
     def config_init(cls) -> tuple[OpenEnvEnvConfig, list[APIServerConfig]]:
-        env_config = OpenEnvEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            max_token_length=2048,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name=cls.name,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+        return adapter_config_init(cls)
 
     async def setup(self) -> None:
         cfg = self.config

@@ -21,7 +21,7 @@ from atroposlib.schema import ScoredData, check_group
 from atroposlib.utils.processes import ChildProcess
 from tests.conftest import REPO, free_port
 from tests.envs.conftest import ACT
-from tests.envs.test_environment_class import reply_ids, trained_turns
+from tests.envs.test_environment_class import _process, reply_ids, trained_turns
 
 GUESS_PATHS = {"pear": (["pear"], 1.0), "apple": (["apple", "pear"], 0.75)}
 WALK_PATHS = {
@@ -118,7 +118,7 @@ async def test_tool_actions_in_process(scripted_tools, made) -> None:
 
 def test_the_server_in_session_mode(scripted_tools, tmp_path: Path) -> None:
     """The word game behind OpenEnv's own server (uvicorn): one WebSocket session an episode."""
-    serve, model = scripted_tools
+    model = scripted_tools[1]
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     server = ChildProcess(
@@ -131,39 +131,10 @@ def test_the_server_in_session_mode(scripted_tools, tmp_path: Path) -> None:
     try:
         server.wait_ready(f"http://127.0.0.1:{port}/health", timeout=60)
         out = tmp_path / "groups.jsonl"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "atroposlib.envs.openenv_env",
-                "process",
-                "--env.url",
-                f"http://127.0.0.1:{port}",
-                "--env.total_steps",
-                "2",
-                "--env.group_size",
-                "4",
-                "--env.seeds",
-                "2",
-                "--env.tokenizer_name",
-                str(model),
-                "--env.data_path_to_save_groups",
-                str(out),
-                "--openai.base_url",
-                serve.url + "/v1",
-                "--openai.model_name",
-                "tiny",
-                "--openai.server_type",
-                "vllm",
-                "--openai.api_key",
-                "x",
-            ],  # fmt: skip
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=300,
-        )
+        argv = ["-m", "atroposlib.envs.openenv_env"]
+        url = f"http://127.0.0.1:{port}"
+        steps = ["--env.total_steps", "2", "--env.seeds", "2"]
+        proc = _process(scripted_tools, tmp_path, argv, "--env.url", url, *steps)
     finally:
         server.stop()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
