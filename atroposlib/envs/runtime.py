@@ -27,6 +27,7 @@ called through ``env.``, so overrides apply.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import traceback
@@ -51,6 +52,20 @@ __all__ = ["STATUS_POLL_INTERVAL", "ServeLoop", "record_failure"]
 
 #: Seconds between two ``/status-env`` polls of the main loop.
 STATUS_POLL_INTERVAL = 0.1
+
+
+async def shutdown_env(env: BaseEnv) -> None:
+    """The end of a command: ``env.close()`` (a failure is logged, not raised), then the
+    inference servers' HTTP clients (aiohttp warns about unclosed sessions at exit)."""
+    try:
+        await env.close()
+    except Exception:  # noqa: BLE001 - closing must not hide the command's own outcome
+        logger.exception("%s.close() failed", type(env).__name__)
+    close = getattr(env.server, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
 
 
 def record_failure(env: BaseEnv, item: Item, attempts: int, reason: str, detail: str) -> bool:
@@ -199,12 +214,10 @@ class ServeLoop:
             await env._api.aclose()
         if env.jsonl_writer is not None:
             env.jsonl_writer.close()
-        close = getattr(env.server, "close", None)
-        if close is not None:
-            try:
-                await close()
-            except Exception as exc:  # noqa: BLE001
-                logger.debug("closing servers: %s", exc)
+        try:
+            await shutdown_env(env)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("closing servers: %s", exc)
         env._wandb_logging.finish()
         logger.info(
             "Env stopped: %d groups sent, %d rollouts retried, %d surplus rollouts cancelled "

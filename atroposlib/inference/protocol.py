@@ -324,6 +324,90 @@ class GenerateRequest(BaseModel):
         )
 
 
+class TokenSamplingParams(BaseModel):
+    """``sampling_params`` of ``POST /inference/v1/generate``: vLLM ``SamplingParams`` fields.
+
+    ``max_tokens`` left out means whatever context is left after the prompt (vLLM's default).
+    Keys this server does not implement are refused with a 400 naming them, except the few that
+    only steer other engines' extras (:attr:`IGNORED`).
+    """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    #: Keys sent by verifiers' renderer client and prime-rl's vLLM build that change nothing
+    #: about sampling here: a chat-template knob, and where MoE routing replay starts.
+    IGNORED: ClassVar[frozenset[str]] = frozenset(
+        {"reasoning_effort", "routed_experts_prompt_start", "extra_args", "output_kind"}
+    )
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def unsupported(self) -> list[str]:
+        """The keys given that this server neither implements nor may ignore."""
+        return sorted(k for k in (self.model_extra or {}) if k not in self.IGNORED)
+
+    def to_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's :class:`SamplingParams`, with ``max_tokens`` resolved by the caller."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=-1 if self.top_k == 0 else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class TokenGenerateRequest(BaseModel):
+    """``POST /inference/v1/generate``: vLLM's tokens-in, tokens-out endpoint.
+
+    The client renders the prompt itself (``token_ids``) and gets the sampled token ids and
+    their log-probs back, so nothing is re-tokenized on either side. verifiers' training client
+    (``TrainClientConfig``, through the ``renderers`` package) and prime-rl call it. Multimodal
+    ``features`` and ``content_parts`` are not served (400).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    request_id: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: TokenSamplingParams = Field(default_factory=TokenSamplingParams)
+    stream: Literal[False] = False
+    cache_salt: str | None = None
+    priority: int | None = None
+    features: Any = None
+    content_parts: Any = None
+
+
 class ReloadRequest(BaseModel):
     """``POST /reload_weights``: a checkpoint folder written by ``save_pretrained``."""
 

@@ -63,6 +63,7 @@ from atroposlib.inference.protocol import (
     CompletionRequest,
     GenerateRequest,
     ReloadRequest,
+    TokenGenerateRequest,
     UnsupportedFieldError,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
@@ -452,6 +453,73 @@ def create_app(state: ServerState) -> FastAPI:
         if body.prompt_logprobs is not None:
             result["prompt_logprobs"] = handle.prompt_logprobs
         return _json(result, handle)
+
+    @app.post("/inference/v1/generate")
+    async def token_generate(body: TokenGenerateRequest, request: Request) -> Response:
+        """vLLM's tokens-in, tokens-out endpoint (``/inference/v1/generate``).
+
+        Answers ``{"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
+        "logprobs": {"content": [{"token": "token_id:N", "logprob", "top_logprobs"}]},
+        "finish_reason", "stop_reason"}], "usage"}``; ``logprobs`` is ``null`` unless
+        ``sampling_params.logprobs`` is set (verifiers' renderer client always sets it).
+        """
+        if body.model is not None:
+            _check_model(state, body.model)
+        if body.features is not None or body.content_parts is not None:
+            param = "features" if body.features is not None else "content_parts"
+            raise APIError(
+                400, "atropos-serve serves text models only: no multimodal inputs", param=param
+            )
+        extra = body.sampling_params.unsupported()
+        if extra:
+            raise APIError(
+                400,
+                f"sampling_params.{extra[0]} is not supported by atropos-serve",
+                param=f"sampling_params.{extra[0]}",
+            )
+        sampling = body.sampling_params
+        max_tokens = _resolve_max_tokens(state, len(body.token_ids), sampling.max_tokens)
+        handle = _submit(state, list(body.token_ids), sampling.to_params(max_tokens), False)
+        outputs = (await _wait(request, [handle]))[0]
+        choices = []
+        for out in outputs:
+            logprobs = None
+            if sampling.logprobs is not None:
+                content = []
+                for i, (token_id, logprob) in enumerate(
+                    zip(out.token_ids, out.logprobs, strict=True)
+                ):
+                    top = out.top_logprobs[i] if i < len(out.top_logprobs) else []
+                    content.append(
+                        {
+                            "token": f"token_id:{token_id}",
+                            "logprob": logprob,
+                            "top_logprobs": [
+                                {"token": f"token_id:{tid}", "logprob": value} for tid, value in top
+                            ],
+                        }
+                    )
+                logprobs = {"content": content}
+            choices.append(
+                {
+                    "index": out.index,
+                    "token_ids": list(out.token_ids),
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return _json(
+            {
+                "request_id": body.request_id or f"gen-{handle.id}",
+                "prompt_token_ids": list(handle.prompt_ids),
+                "choices": choices,
+                "usage": _usage([handle]),
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            },
+            handle,
+        )
 
     @app.post("/pause")
     async def pause(

@@ -169,6 +169,67 @@ def test_generate_top_logprobs_and_prompt_logprobs(client, reference_model):
         assert first_lp == pytest.approx(expected, abs=2e-3)
 
 
+def test_token_generate_is_vllms_tokens_in_tokens_out_endpoint(client, reference_model):
+    """``POST /inference/v1/generate`` (verifiers' training client, prime-rl): prompt token ids
+    in, sampled ids and their log-probs out as ``token_id:N`` entries, nothing re-tokenized."""
+    url = str(client.base_url).replace("/v1/", "/inference/v1/generate")
+    body = {
+        "model": SERVED_NAME,
+        "token_ids": PROMPT_IDS,
+        "sampling_params": {"max_tokens": 6, "n": 2, "logprobs": 1, "skip_special_tokens": False},
+    }
+    reply = httpx.post(url, json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    result = reply.json()
+    assert result["prompt_token_ids"] == PROMPT_IDS
+    assert result["request_id"]
+    assert result["usage"]["prompt_tokens"] == len(PROMPT_IDS)
+    assert len(result["choices"]) == 2
+    for choice in result["choices"]:
+        ids = choice["token_ids"]
+        assert len(ids) == 6 and choice["finish_reason"] == "length"
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in ids]
+        assert [c["logprob"] for c in content] == pytest.approx(
+            reference_logprobs(reference_model, PROMPT_IDS, ids), abs=2e-3
+        )
+        assert all(len(c["top_logprobs"]) <= 1 for c in content)
+    # without sampling_params.logprobs there are none; max_tokens defaults to the room left
+    greedy = httpx.post(
+        url, json={"token_ids": PROMPT_IDS, "sampling_params": {"max_tokens": 8, "temperature": 0}}
+    ).json()
+    assert greedy["choices"][0]["logprobs"] is None
+    assert greedy["choices"][0]["token_ids"] == greedy_ids(client, PROMPT_IDS, 8)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"token_ids": []}, 400, "token_ids"),
+        ({"token_ids": [1], "model": "nope"}, 404, "does not exist"),
+        ({"token_ids": [1], "sampling_params": {"best_of": 2}}, 400, "sampling_params.best_of"),
+        ({"token_ids": [1], "features": {"mm_hashes": []}}, 400, "multimodal"),
+        ({"token_ids": [10**9]}, 400, "prompt token ids must be in"),
+        ({"token_ids": [1], "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ],
+)
+def test_token_generate_refuses_bad_requests_by_name(client, body, status, says):
+    url = str(client.base_url).replace("/v1/", "/inference/v1/generate")
+    reply = httpx.post(url, json=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    assert says in reply.json()["error"]["message"]
+
+
+def test_token_generate_ignores_the_renderer_clients_extra_keys(client):
+    url = str(client.base_url).replace("/v1/", "/inference/v1/generate")
+    body = {
+        "token_ids": PROMPT_IDS,
+        "cache_salt": "s",
+        "sampling_params": {"max_tokens": 2, "routed_experts_prompt_start": 3, "logprobs": 1},
+    }
+    assert httpx.post(url, json=body, timeout=30).status_code == 200
+
+
 def test_greedy_is_argmax_and_sampling_controls(client):
     greedy = greedy_ids(client, PROMPT_IDS, 8)
 

@@ -32,11 +32,22 @@ def _encode(tokenizer: AutoTokenizer, reply: Reply) -> list[int]:
     return [*ids, tokenizer.eos_token_id]
 
 
-def build_scripted_model(path: str | Path, replies: list[Reply] | dict[str, list[Reply]]) -> Path:
+def build_scripted_model(
+    path: str | Path,
+    replies: list[Reply] | dict[str, list[Reply]],
+    special_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
+) -> Path:
     """Save the scripted model (replies for any prompt, or by prompt substring) and the
-    SmolLM2 tokenizer to ``path``."""
+    SmolLM2 tokenizer to ``path``; ``special_tokens`` are added to the tokenizer (and the
+    vocabulary), e.g. ``<tool_call>`` for parsers that look for it as one token, as Qwen's;
+    ``chat_template`` replaces SmolLM2's (which renders neither tools nor tool calls)."""
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     rules = replies if isinstance(replies, dict) else {"": replies}
     config = ScriptedConfig(
         rules=[[text, [_encode(tokenizer, r) for r in rs]] for text, rs in rules.items()],
