@@ -30,6 +30,11 @@ An action the environment refuses (validation error, an exception in ``step``) i
 model as ``{"error": ...}`` and counted (``train/invalid_actions``); the episode goes on. The
 episode's score is the sum of the step rewards (``--env.reward last``: the last one); an
 episode with no reward at all is sent with ``set_advantage_to_zero``.
+
+:func:`training_traces` turns a group (any env's, with ``inference_logprobs``) into OpenEnv's
+``TrainingTrace`` records, one per sequence and one turn per trained span (the engine call: the
+tokens before it as prompt, the span as completion); ``--env.training_trace_path`` appends them,
+with each sequence's score and seed, to a JSON-lines file as groups are made.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import asyncio
 import inspect
 import json
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,9 +52,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from atroposlib.envs.environment_class import adapter_config_init, factory_spec, load_factory
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
+from atroposlib.envs.server_handling.policy_version import rollout_policy_version
 from atroposlib.scoring.tools import ToolRegistry, parse_hermes_calls, parse_openai_calls
 
-__all__ = ["OpenEnvEnv", "OpenEnvEnvConfig", "OpenEnvEpisode"]
+__all__ = ["OpenEnvEnv", "OpenEnvEnvConfig", "OpenEnvEpisode", "training_traces"]
 
 #: Observation fields every OpenEnv observation has (not shown to the model as content).
 BASE_OBSERVATION_FIELDS = ("done", "reward", "metadata")
@@ -94,6 +100,12 @@ class OpenEnvEnvConfig(BaseEnvConfig):
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature")
     system_prompt: str | None = Field(
         default=None, description="A system message before the first observation"
+    )
+    training_trace_path: str | None = Field(
+        default=None,
+        description="Also append every group's sequences to this JSON-lines file as OpenEnv "
+        'TrainingTrace records ({"seed", "score", "policy_version", '
+        '"training_trace"}); needs a server that gives token ids and log-probs',
     )
 
     _spec = field_validator("environment", "action_class")(factory_spec)
@@ -208,6 +220,53 @@ def _render(observation: dict[str, Any]) -> str:
     if len(shown) == 1 and isinstance(next(iter(shown.values())), str):
         return next(iter(shown.values()))
     return json.dumps(shown, ensure_ascii=False, default=str)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def training_traces(group: Mapping[str, Any]) -> list[Any]:
+    """OpenEnv ``TrainingTrace`` records of a scored group: one per sequence, one turn per
+    trained span (a run of unmasked tokens: one engine call), whose prompt is every token
+    before it and whose completion is the span, with the sampler's log-probs and a loss mask
+    of 0 on the prompt and 1 on the completion. OpenEnv validates each turn.
+
+    Raises:
+        ValueError: the group has no ``inference_logprobs`` (a server that gives no token
+            log-probs), or a sequence that OpenEnv's validation refuses.
+    """
+    from openenv.core.harness import TrainingTrace, TrainingTurn
+
+    logprobs_all = group.get("inference_logprobs")
+    if not logprobs_all:
+        raise ValueError(
+            "a TrainingTrace needs the sampler's log-probs: this group has no "
+            "inference_logprobs (use a server that gives token ids, e.g. server_type vllm)"
+        )
+    traces = []
+    for index, (tokens, masks, logprobs) in enumerate(
+        zip(group["tokens"], group["masks"], logprobs_all, strict=True)
+    ):
+        turns = []
+        start = None
+        for pos in range(len(tokens) + 1):
+            trained = pos < len(tokens) and masks[pos] != -100
+            if trained and start is None:
+                start = pos
+            elif not trained and start is not None:
+                prompt, completion = list(tokens[:start]), list(tokens[start:pos])
+                turns.append(
+                    TrainingTurn(
+                        node_id=f"seq{index}-turn{len(turns)}",
+                        prompt_token_ids=prompt,
+                        completion_token_ids=completion,
+                        per_token_logps=[float(x) for x in logprobs[start:pos]],
+                        loss_mask=[0] * len(prompt) + [1] * len(completion),
+                    )
+                )
+                start = None
+        traces.append(TrainingTrace(turns=turns))
+    return traces
 
 
 # ----------------------------------------------------------------------------- the env
@@ -399,7 +458,25 @@ class OpenEnvEnv(BaseEnv):
         group = group_from_trajectories(
             [e.trajectory for e in episodes], scores, group_size=self.config.group_size
         )
+        if group is not None and self.config.training_trace_path:
+            await asyncio.to_thread(self._export, group, item["seed"])
         return group, []
+
+    def _export(self, group: ScoredDataGroup, seed: int) -> None:
+        """Append the group's sequences to ``--env.training_trace_path``."""
+        lines = [
+            json.dumps(
+                {
+                    "seed": seed,
+                    "score": score,
+                    "policy_version": group.get("policy_version", rollout_policy_version()),
+                    "training_trace": trace.model_dump(mode="json"),
+                }
+            )
+            for trace, score in zip(training_traces(group), group["scores"], strict=True)
+        ]
+        with open(self.config.training_trace_path, "a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
 
     async def _eval_one(self, seed: int) -> dict[str, Any]:
         episode = await self.play(seed, 0.0, split="eval")

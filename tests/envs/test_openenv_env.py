@@ -96,8 +96,12 @@ async def test_a_text_game_in_process(scripted_tools, made) -> None:
     }  # fmt: skip
 
 
-async def test_tool_actions_in_process(scripted_tools, made) -> None:
-    env = make(scripted_tools, made, environment="tests.envs.openenv_envs:Walk")
+async def test_tool_actions_in_process(scripted_tools, made, tmp_path: Path) -> None:
+    traces = tmp_path / "traces.jsonl"
+    env = make(
+        scripted_tools, made, environment="tests.envs.openenv_envs:Walk",
+        training_trace_path=str(traces),
+    )  # fmt: skip
     await env.setup()
     assert env.action_mode == "tool"  # two fields: direction and steps
     assert set(env.action_schema["properties"]) == {"direction", "steps"}
@@ -114,6 +118,43 @@ async def test_tool_actions_in_process(scripted_tools, made) -> None:
             len(tools) == 1 and not refused
         ):  # one step north, then two: the corridor observation in between
             assert json.loads(tools[0].split("\n")[1]) == {"position": 1, "message": "corridor"}
+    assert_training_traces(group, traces, seed=0)
+
+
+def assert_training_traces(group: dict, path: Path, seed: int) -> None:
+    """``--env.training_trace_path``: each sequence as an OpenEnv TrainingTrace (validated by
+    OpenEnv), one turn per trained span: its prompt is the sequence before it, its completion
+    the span, with the sampler's log-probs; loss mask 0 on the prompt, 1 on the completion."""
+    from openenv.core.harness import TrainingTrace
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["score"] for r in records] == group["scores"]
+    assert {r["seed"] for r in records} == {seed}
+    for record, tokens, masks, logprobs in zip(
+        records, group["tokens"], group["masks"], group["inference_logprobs"], strict=True
+    ):
+        trace = TrainingTrace.model_validate(record["training_trace"])
+        assert len(trace.turns) == len(trained_turns(tokens, masks)) >= 1
+        for turn in trace.turns:
+            start = len(turn.prompt_token_ids)
+            end = start + len(turn.completion_token_ids)
+            assert tokens[:end] == turn.prompt_token_ids + turn.completion_token_ids
+            assert masks[start:end] == turn.completion_token_ids
+            assert turn.per_token_logps == logprobs[start:end]
+            assert turn.loss_mask == [0] * start + [1] * (end - start)
+        last = trace.turns[-1]
+        assert len(last.prompt_token_ids) + len(last.completion_token_ids) <= len(tokens)
+
+
+def test_training_traces_need_sampler_logprobs() -> None:
+    from atroposlib.envs.openenv_env import training_traces
+
+    group = {"tokens": [[1, 2, 3]], "masks": [[-100, 2, 3]], "scores": [1.0]}
+    with pytest.raises(ValueError, match="inference_logprobs"):
+        training_traces(group)
+    group["inference_logprobs"] = [[1.0, 0.5, -0.1]]  # a positive log-prob: OpenEnv refuses
+    with pytest.raises(ValueError, match="logprobs must not be positive"):
+        training_traces(group)
 
 
 def test_the_server_in_session_mode(scripted_tools, tmp_path: Path) -> None:
