@@ -35,7 +35,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
@@ -49,8 +50,15 @@ FEW_SHOT_EXAMPLES = [("What is 7 + 5?", "12"), ("What is 3 - 9?", "-6"), ("What 
 """Worked examples shown before the question with ``few_shot`` > 0 (never asked themselves)."""
 
 
-class ArithmeticEnvConfig(BaseEnvConfig):
+class ArithmeticEnvConfig(LocalEnvConfig):
     """Settings of the arithmetic environment."""
+
+    max_token_length: int = 256
+    # a small or untrained model often scores a whole group alike; keep those groups
+    # so the trainer is always fed (their advantages are zero)
+    ensure_scores_are_not_same: bool = False
+    # the held-out problems are asked as fast as the server's eval slots allow
+    max_eval_workers: int = 64
 
     max_operand: int = Field(default=20, ge=1, description="Operands are drawn from 0..max_operand")
     operators: str = Field(default="+-", description="Operators to use, any of '+', '-' and '*'")
@@ -173,25 +181,7 @@ class ArithmeticEnv(BaseEnv):
     name = "arithmetic"
     env_config_cls = ArithmeticEnvConfig
 
-    @classmethod
-    def config_init(cls) -> tuple[ArithmeticEnvConfig, list[APIServerConfig]]:
-        env_config = ArithmeticEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            rollout_server_url="http://localhost:8000",
-            max_token_length=256,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name="arithmetic",
-            # a small or untrained model often scores a whole group alike; keep those groups
-            # so the trainer is always fed (their advantages are zero)
-            ensure_scores_are_not_same=False,
-            # the held-out problems are asked as fast as the server's eval slots allow
-            max_eval_workers=64,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=64, timeout=120)
+    default_server_configs = local_server_configs(num_requests_for_eval=64, timeout=120)
 
     async def setup(self) -> None:
         cfg = self.config

@@ -27,7 +27,6 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig
 from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
 from atroposlib.scoring import math as math_scoring
 from atroposlib.utils.data import load_rows
@@ -71,10 +70,6 @@ class GSM8kEnv(MathVerifyEnv):
 
     name = "gsm8k"
     env_config_cls = GSM8kEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[GSM8kEnvConfig, list[APIServerConfig]]:
-        return cls.default_configs("gsm8k")
 
     def load_split(self, split: str) -> list[dict[str, Any]]:
         """``[{question, answer}]`` for ``train`` or ``test``."""

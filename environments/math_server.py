@@ -17,7 +17,6 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig
 from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
 from atroposlib.utils.data import load_rows
 
@@ -40,10 +39,6 @@ class MathEnv(MathVerifyEnv):
 
     name = "math"
     env_config_cls = MathEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[MathEnvConfig, list[APIServerConfig]]:
-        return cls.default_configs("math")
 
     def _normalise(self, row: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config

@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.answers import extract_choice_letter, format_choices
@@ -61,8 +62,14 @@ def hub_mmlu_rows() -> list[dict[str, Any]]:
     ]
 
 
-class MMLUEnvConfig(BaseEnvConfig):
+class MMLUEnvConfig(LocalEnvConfig):
     """Settings of the MMLU environment."""
+
+    group_size: int = 8
+    use_wandb: bool = True
+    max_token_length: int = 1024
+    total_steps: int = 1000
+    steps_per_eval: int = 100
 
     data_source: str = Field(
         default="bundled",
@@ -96,19 +103,7 @@ class MMLUEnv(BaseEnv):
         super().__init__(*args, **kwargs)
         self.iter = 0
 
-    @classmethod
-    def config_init(cls) -> tuple[MMLUEnvConfig, list[APIServerConfig]]:
-        env_config = MMLUEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=8,
-            use_wandb=True,
-            max_token_length=1024,
-            total_steps=1000,
-            batch_size=16,
-            steps_per_eval=100,
-            wandb_name="mmlu",
-        )
-        return env_config, local_server_configs()
+    default_server_configs = local_server_configs()
 
     async def setup(self) -> None:
         source = self.config.data_source

@@ -32,7 +32,8 @@ from typing import Any, Literal
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.images import ascii_art, encode_png, flatten_for_text_model, image_message
@@ -120,8 +121,11 @@ def score_reply(text: str | None, answer: str) -> float:
     return 1.0 if given == answer else -0.5
 
 
-class ShapesEnvConfig(BaseEnvConfig):
+class ShapesEnvConfig(LocalEnvConfig):
     """Settings of the multimodal shapes environment."""
+
+    max_token_length: int = 1024
+    ensure_scores_are_not_same: bool = False
 
     image_transport: Literal["content_parts", "text_fallback"] = Field(
         default="text_fallback",
@@ -141,21 +145,7 @@ class MultimodalShapesEnv(BaseEnv):
     name = "multimodal_shapes"
     env_config_cls = ShapesEnvConfig
 
-    @classmethod
-    def config_init(cls) -> tuple[ShapesEnvConfig, list[APIServerConfig]]:
-        env_config = ShapesEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            rollout_server_url="http://localhost:8000",
-            max_token_length=1024,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name="multimodal_shapes",
-            ensure_scores_are_not_same=False,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)

@@ -34,7 +34,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.judge import (
@@ -129,8 +130,11 @@ def load_prompts(path: str | Path) -> list[dict[str, Any]]:
     return [{"prompt": row["prompt"], "reference": row.get("reference")} for row in rows]
 
 
-class RLAIFEnvConfig(BaseEnvConfig):
+class RLAIFEnvConfig(LocalEnvConfig):
     """Settings of the RLAIF environment."""
+
+    max_token_length: int = 1024
+    ensure_scores_are_not_same: bool = False
 
     judge_base_url: str = Field(
         default="http://localhost:9001/v1", description="OpenAI-compatible URL of the judge"
@@ -163,21 +167,7 @@ class RLAIFEnv(BaseEnv):
     name = "rlaif"
     env_config_cls = RLAIFEnvConfig
 
-    @classmethod
-    def config_init(cls) -> tuple[RLAIFEnvConfig, list[APIServerConfig]]:
-        env_config = RLAIFEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            rollout_server_url="http://localhost:8000",
-            max_token_length=1024,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name="rlaif",
-            ensure_scores_are_not_same=False,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         cfg = self.config

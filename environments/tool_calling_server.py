@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import (
@@ -158,8 +159,10 @@ def score_episode(answer: str | None, gold: Any, valid_calls: int, invalid_calls
 # --------------------------------------------------------------------------- env
 
 
-class ToolCallingEnvConfig(BaseEnvConfig):
+class ToolCallingEnvConfig(LocalEnvConfig):
     """Settings of the tool-calling environment."""
+
+    ensure_scores_are_not_same: bool = False
 
     tool_format: Literal["hermes", "openai"] = Field(
         default="hermes", description="Call format: hermes <tool_call> text or OpenAI tools"
@@ -186,21 +189,7 @@ class ToolCallingEnv(BaseEnv):
     name = "tool_calling"
     env_config_cls = ToolCallingEnvConfig
 
-    @classmethod
-    def config_init(cls) -> tuple[ToolCallingEnvConfig, list[APIServerConfig]]:
-        env_config = ToolCallingEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=4,
-            use_wandb=False,
-            rollout_server_url="http://localhost:8000",
-            max_token_length=2048,
-            total_steps=100,
-            batch_size=16,
-            steps_per_eval=50,
-            wandb_name="tool_calling",
-            ensure_scores_are_not_same=False,
-        )
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         cfg = self.config

@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "BaseEnv": "atroposlib.envs.base",
     "BaseEnvConfig": "atroposlib.envs.base",
     "EvalHandlingEnum": "atroposlib.envs.base",
+    "LocalEnvConfig": "atroposlib.envs.config",
     "ScoredDataGroup": "atroposlib.envs.base",
     "ScoredDataItem": "atroposlib.envs.base",
     "Item": "atroposlib.type_definitions",
@@ -41,6 +42,9 @@ _EXPORTS: dict[str, str] = {
     # OpenEnv environments (extra ``openenv``)
     "OpenEnvEnv": "atroposlib.envs.openenv_env",
     "OpenEnvEnvConfig": "atroposlib.envs.openenv_env",
+    # verifiers 0.4 environments (extra ``verifiers``)
+    "VerifiersEnv": "atroposlib.envs.verifiers_env",
+    "VerifiersEnvConfig": "atroposlib.envs.verifiers_env",
     # a ready-made env family
     "MathVerifyEnv": "atroposlib.envs.math_verify_env",
     "MathVerifyEnvConfig": "atroposlib.envs.math_verify_env",
@@ -56,6 +60,7 @@ __all__ = [
     "EnvironmentClassEnvConfig",
     "EvalHandlingEnum",
     "Item",
+    "LocalEnvConfig",
     "MathVerifyEnv",
     "MathVerifyEnvConfig",
     "OpenEnvEnv",
@@ -66,6 +71,8 @@ __all__ = [
     "ServerBaseline",
     "ServerManager",
     "ServerManagerConfig",
+    "VerifiersEnv",
+    "VerifiersEnvConfig",
     "eval_completion",
     "group_from_samples",
     "group_from_trajectories",
@@ -100,6 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         ServerManager,
         ServerManagerConfig,
     )
+    from atroposlib.envs.config import LocalEnvConfig
     from atroposlib.envs.environment_class import EnvironmentClassEnv, EnvironmentClassEnvConfig
     from atroposlib.envs.math_verify_env import MathVerifyEnv, MathVerifyEnvConfig
     from atroposlib.envs.openenv_env import OpenEnvEnv, OpenEnvEnvConfig
@@ -112,4 +120,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         sample_chat_group,
     )
     from atroposlib.envs.server_handling.server_baseline import local_server_configs
+    from atroposlib.envs.verifiers_env import VerifiersEnv, VerifiersEnvConfig
     from atroposlib.type_definitions import Item

@@ -132,6 +132,10 @@ class BaseEnv(ABC):
     env_config_cls: type[BaseEnvConfig] = BaseEnvConfig
     #: Server client class; the abstract ``APIServer`` means "choose by ``server_type``".
     server_cls: type[APIServer] = APIServer
+    #: The inference servers ``config_init`` gives (copied each time), e.g.
+    #: ``local_server_configs()`` for the embedded ``atropos-serve``; None: upstream's
+    #: ``ServerBaseline()``.
+    default_server_configs: list[APIServerConfig] | ServerBaseline | None = None
 
     def __init__(
         self,
@@ -240,8 +244,14 @@ class BaseEnv(ABC):
     @classmethod
     def config_init(cls) -> tuple[BaseEnvConfig, ServerBaseline | list[APIServerConfig]]:
         """Default ``(env_config, server_configs)`` of this env; the CLI layers YAML and
-        flags on top."""
-        return cls.env_config_cls(), ServerBaseline()
+        flags on top. By default: ``env_config_cls()`` (defaults live on the config class)
+        and ``default_server_configs``; upstream-style envs override this instead."""
+        servers = cls.default_server_configs
+        if servers is None:
+            return cls.env_config_cls(), ServerBaseline()
+        if isinstance(servers, list):
+            return cls.env_config_cls(), [s.model_copy(deep=True) for s in servers]
+        return cls.env_config_cls(), servers.model_copy(deep=True)
 
     async def setup(self) -> None:
         """Prepare the env (load datasets...). Called once before anything else."""

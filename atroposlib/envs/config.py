@@ -8,10 +8,12 @@ and the env part of CONFIG.md. Field names and defaults are upstream's; the fiel
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
+from pydantic.fields import FieldInfo
 
-__all__ = ["REASONING_EFFORTS", "BaseEnvConfig", "EvalHandlingEnum"]
+__all__ = ["REASONING_EFFORTS", "BaseEnvConfig", "EvalHandlingEnum", "LocalEnvConfig"]
 
 #: Accepted values of ``reasoning_effort``.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -29,7 +31,38 @@ class EvalHandlingEnum(Enum):
 
 
 class BaseEnvConfig(BaseModel):
-    """Basic environment configuration (subclass it to add your own fields)."""
+    """Basic environment configuration (subclass it to add your own fields).
+
+    A subclass changes a default by redeclaring the field with a plain default
+    (``group_size: int = 8``): the field keeps its description and bounds from the class that
+    declared it, so ``--help``, YAML and CONFIG.md still describe it.
+    """
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        fields = cls.model_fields
+        changed = False
+        for name in cls.__dict__.get("__annotations__", {}):
+            info = fields.get(name)
+            if info is None or info.description is not None:
+                continue
+            parent = next(
+                (
+                    base.model_fields[name]
+                    for base in cls.__mro__[1:]
+                    if isinstance(base, type)
+                    and issubclass(base, BaseModel)
+                    and name in base.model_fields
+                ),
+                None,
+            )
+            if parent is None:
+                continue
+            fields[name] = FieldInfo.merge_field_infos(parent, info)
+            changed = True
+        if changed:
+            cls.model_rebuild(force=True)
 
     group_size: int = Field(
         default=4, ge=1, description="How many responses are grouped together for scoring"
@@ -181,3 +214,20 @@ class BaseEnvConfig(BaseModel):
         if value is not None and value not in REASONING_EFFORTS:
             raise ValueError(f"must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}")
         return value
+
+
+class LocalEnvConfig(BaseEnvConfig):
+    """``BaseEnvConfig`` with the defaults of a local run, which the bundled environments
+    share: SmolLM2-135M-Instruct (the tokenizer of the embedded ``atropos-serve``, no Hub
+    access), no W&B, 100 trainer steps of 16 sequences, an evaluation every 50 steps.
+
+    An environment's config derives from it and redeclares only what differs
+    (``group_size: int = 8``); the env sets ``default_server_configs`` (e.g.
+    ``local_server_configs()``) instead of overriding ``config_init``.
+    """
+
+    tokenizer_name: str = "SmolLM2-135M-Instruct"
+    use_wandb: bool = False
+    total_steps: int = 100
+    batch_size: int = 16
+    steps_per_eval: int = 50

@@ -72,7 +72,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import (
@@ -248,23 +249,7 @@ def _prompt_of(row: dict[str, Any]) -> list[dict[str, Any]]:
     )
 
 
-def adapter_config_init(env_cls: type[BaseEnv]) -> tuple[Any, list[APIServerConfig]]:
-    """``config_init`` of the adapter envs (this one, ``OpenEnvEnv``): ``env_cls``'s config
-    class with the defaults of a local run (SmolLM2 on the embedded ``atropos-serve``)."""
-    env_config = env_cls.env_config_cls(
-        tokenizer_name="SmolLM2-135M-Instruct",
-        group_size=4,
-        use_wandb=False,
-        max_token_length=2048,
-        total_steps=100,
-        batch_size=16,
-        steps_per_eval=50,
-        wandb_name=env_cls.name,
-    )
-    return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
-
-
-class EnvironmentClassEnvConfig(BaseEnvConfig):
+class EnvironmentClassEnvConfig(LocalEnvConfig):
     """Settings of :class:`EnvironmentClassEnv` (on top of ``BaseEnvConfig``)."""
 
     environment_factory: str = Field(
@@ -350,6 +335,7 @@ class EnvironmentClassEnv(BaseEnv):
 
     name = "environment_class"
     env_config_cls = EnvironmentClassEnvConfig
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     #: The environment factory bound by :meth:`wrap` (else ``config.environment_factory``).
     environment_factory: ClassVar[Callable[[], Any] | None] = None
@@ -398,10 +384,6 @@ class EnvironmentClassEnv(BaseEnv):
             "__module__": getattr(factory, "__module__", cls.__module__),
         }
         return type(f"{label}Env", (cls,), attrs)
-
-    @classmethod
-    def config_init(cls) -> tuple[EnvironmentClassEnvConfig, list[APIServerConfig]]:
-        return adapter_config_init(cls)
 
     # ------------------------------------------------------------------ setup
 

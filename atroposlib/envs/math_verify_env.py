@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
     eval_completion,
@@ -47,8 +48,14 @@ SYSTEM_PROMPT = (
 """Upstream's GSM8K system prompt."""
 
 
-class MathVerifyEnvConfig(BaseEnvConfig):
-    """Settings of the math-verify environments."""
+class MathVerifyEnvConfig(LocalEnvConfig):
+    """Settings of the math-verify environments (upstream's GSM8K defaults)."""
+
+    group_size: int = 8
+    use_wandb: bool = True
+    total_steps: int = 1000
+    batch_size: int = 12
+    steps_per_eval: int = 100
 
     dataset_path: str | None = Field(
         default=None,
@@ -111,27 +118,12 @@ class MathVerifyEnv(BaseEnv):
     """Math problems with math-verify rewards (+1 / -1, length penalty when all are right)."""
 
     env_config_cls = MathVerifyEnvConfig
+    default_server_configs = local_server_configs()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.iter = 0
         self.examples: list[dict[str, Any]] = []
-
-    @classmethod
-    def default_configs(cls, wandb_name: str) -> tuple[MathVerifyEnvConfig, list[APIServerConfig]]:
-        """Upstream's GSM8K defaults, against the embedded server (``atropos-serve``)."""
-        env_config = cls.env_config_cls(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=8,
-            use_wandb=True,
-            rollout_server_url="http://localhost:8000",
-            total_steps=1000,
-            batch_size=12,
-            steps_per_eval=100,
-            max_token_length=2048,
-            wandb_name=wandb_name,
-        )
-        return env_config, local_server_configs()
 
     # ------------------------------------------------------------------ data
 

@@ -49,10 +49,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.environment_class import adapter_config_init, factory_spec, load_factory
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
+from atroposlib.envs.environment_class import factory_spec, load_factory
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.policy_version import rollout_policy_version
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import ToolRegistry, parse_hermes_calls, parse_openai_calls
 
 __all__ = ["OpenEnvEnv", "OpenEnvEnvConfig", "OpenEnvEpisode", "training_traces"]
@@ -62,7 +64,7 @@ BASE_OBSERVATION_FIELDS = ("done", "reward", "metadata")
 ACT_TOOL = "act"
 
 
-class OpenEnvEnvConfig(BaseEnvConfig):
+class OpenEnvEnvConfig(LocalEnvConfig):
     """Settings of :class:`OpenEnvEnv` (on top of ``BaseEnvConfig``)."""
 
     environment: str = Field(
@@ -277,10 +279,7 @@ class OpenEnvEnv(BaseEnv):
 
     name = "openenv"
     env_config_cls = OpenEnvEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[OpenEnvEnvConfig, list[APIServerConfig]]:
-        return adapter_config_init(cls)
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         cfg = self.config

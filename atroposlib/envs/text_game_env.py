@@ -28,7 +28,8 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import ChatSession, group_from_trajectories
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 
@@ -90,8 +91,11 @@ class TextGame(ABC):
         return ", ".join(self.actions)
 
 
-class TextGameEnvConfig(BaseEnvConfig):
+class TextGameEnvConfig(LocalEnvConfig):
     """Settings shared by the text game environments."""
+
+    # a whole group often plays alike early on; keep those groups (zero advantages)
+    ensure_scores_are_not_same: bool = False
 
     max_turns: int = Field(default=10, ge=1, description="Most actions per episode")
     max_tokens_per_turn: int = Field(default=96, ge=1, description="Generation budget per turn")
@@ -107,32 +111,12 @@ class TextGameEnv(BaseEnv, ABC):
     """Base of the text game environments (see the module docstring)."""
 
     env_config_cls = TextGameEnvConfig
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
     system_prompt: str = ""
 
     @abstractmethod
     def make_game(self) -> TextGame:
         """A fresh game object."""
-
-    @classmethod
-    def default_configs(
-        cls, name: str, **overrides: Any
-    ) -> tuple[TextGameEnvConfig, list[APIServerConfig]]:
-        """Defaults for the embedded server (``atropos-serve --port 9001``)."""
-        values: dict[str, Any] = {
-            "tokenizer_name": "SmolLM2-135M-Instruct",
-            "group_size": 4,
-            "use_wandb": False,
-            "rollout_server_url": "http://localhost:8000",
-            "max_token_length": 2048,
-            "total_steps": 100,
-            "batch_size": 16,
-            "steps_per_eval": 50,
-            "wandb_name": name,
-            "ensure_scores_are_not_same": False,
-            **overrides,
-        }
-        env_config = cls.env_config_cls(**values)
-        return env_config, local_server_configs(num_requests_for_eval=8, timeout=300)
 
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)

@@ -48,9 +48,10 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
-from atroposlib.envs.environment_class import adapter_config_init
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import group_from_trajectories
+from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.envs.tokenizers import resolve_tokenizer_name
 from atroposlib.utils.cli import merge_dicts
 
@@ -64,7 +65,7 @@ API_KEY_VAR = "ATROPOS_VERIFIERS_API_KEY_{index}"
 UNSAMPLED_LOGPROB = 1.0
 
 
-class VerifiersEnvConfig(BaseEnvConfig):
+class VerifiersEnvConfig(LocalEnvConfig):
     """Settings of :class:`VerifiersEnv` (on top of ``BaseEnvConfig``)."""
 
     taskset: str = Field(
@@ -215,10 +216,7 @@ class VerifiersEnv(BaseEnv):
 
     name = "verifiers"
     env_config_cls = VerifiersEnvConfig
-
-    @classmethod
-    def config_init(cls) -> tuple[VerifiersEnvConfig, list[APIServerConfig]]:
-        return adapter_config_init(cls)
+    default_server_configs = local_server_configs(num_requests_for_eval=8, timeout=300)
 
     # ----------------------------------------------------------------------- setup
 
@@ -265,6 +263,8 @@ class VerifiersEnv(BaseEnv):
                 "VerifiersEnv needs verifiers 0.4: pip install 'atroposlib[verifiers]'"
             ) from exc
         self._check_servers()
+        # verifiers' interception server logs every model call at INFO through aiohttp
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
         # verifiers' chat harnesses start their program with `uv`: the one installed beside
         # this interpreter (the extra's) works even when its virtualenv is not activated
         bindir = os.path.dirname(sys.executable)

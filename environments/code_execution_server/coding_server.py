@@ -25,7 +25,8 @@ from typing import Any
 
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.code import arun_tests, extract_code, humaneval_program, humaneval_tests
@@ -82,8 +83,14 @@ def mbpp_problems(path: str | Path) -> list[dict[str, Any]]:
     ]
 
 
-class CodingEnvConfig(BaseEnvConfig):
+class CodingEnvConfig(LocalEnvConfig):
     """Settings of the code-execution environment."""
+
+    group_size: int = 8
+    use_wandb: bool = True
+    max_token_length: int = 1024
+    total_steps: int = 1000
+    steps_per_eval: int = 100
 
     mbpp_path: str = Field(
         default=str(HERE / "mbpp_style_tasks.jsonl"), description="MBPP-style tasks (JSONL)"
@@ -112,19 +119,7 @@ class CodingEnv(BaseEnv):
         super().__init__(*args, **kwargs)
         self.iter = 0
 
-    @classmethod
-    def config_init(cls) -> tuple[CodingEnvConfig, list[APIServerConfig]]:
-        env_config = CodingEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=8,
-            use_wandb=True,
-            max_token_length=1024,
-            total_steps=1000,
-            batch_size=16,
-            steps_per_eval=100,
-            wandb_name="coding",
-        )
-        return env_config, local_server_configs()
+    default_server_configs = local_server_configs()
 
     @property
     def limits(self) -> SandboxLimits:

@@ -42,11 +42,10 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from atroposlib.envs.base import (
-    APIServerConfig,
     BaseEnv,
-    BaseEnvConfig,
     ScoredDataGroup,
 )
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
     eval_completion,
@@ -153,13 +152,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 """The repository this file lives in (bundled data: ``environments/data``)."""
 
 
-class DatasetEnvConfig(BaseEnvConfig):
+class DatasetEnvConfig(LocalEnvConfig):
     """Settings of the generic dataset environment (upstream's field names)."""
 
+    group_size: int = 8
+    use_wandb: bool = True
+    total_steps: int = 1000
+    batch_size: int = 12
+    steps_per_eval: int = 100
+
     dataset_name: str | None = Field(
-        default=None, description="Hugging Face dataset name (load_dataset(name, config, split))"
+        default="gsm8k",
+        description="Hugging Face dataset name (load_dataset(name, config, split))",
     )
-    dataset_config: str | None = Field(default=None, description="Dataset configuration name")
+    dataset_config: str | None = Field(default="main", description="Dataset configuration name")
     split: str = Field(default="train", description="Split to train on")
     dataset_path: str | None = Field(
         default=None,
@@ -259,22 +265,7 @@ class DatasetEnv(BaseEnv):
         self.test: list[dict[str, Any]] = []
         self.iter = 0
 
-    @classmethod
-    def config_init(cls) -> tuple[DatasetEnvConfig, list[APIServerConfig]]:
-        env_config = DatasetEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=8,
-            use_wandb=True,
-            rollout_server_url="http://localhost:8000",
-            total_steps=1000,
-            batch_size=12,
-            steps_per_eval=100,
-            max_token_length=2048,
-            wandb_name="dataset",
-            dataset_name="gsm8k",
-            dataset_config="main",
-        )
-        return env_config, local_server_configs()
+    default_server_configs = local_server_configs()
 
     # ------------------------------------------------------------------ data
 

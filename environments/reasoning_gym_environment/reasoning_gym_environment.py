@@ -33,7 +33,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.base import BaseEnv, ScoredDataGroup
+from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
     eval_completion,
@@ -128,8 +129,15 @@ def score_answer(dataset: Any, entry: dict[str, Any], answer: str | None) -> flo
     return best
 
 
-class ReasoningGymEnvConfig(BaseEnvConfig):
+class ReasoningGymEnvConfig(LocalEnvConfig):
     """Settings of the reasoning-gym environment."""
+
+    group_size: int = 8
+    use_wandb: bool = True
+    total_steps: int = 250
+    batch_size: int = 12
+    steps_per_eval: int = 25
+    max_token_length: int = 1024
 
     tasks: list[str] = Field(
         default_factory=lambda: list(DEFAULT_TASKS),
@@ -199,20 +207,7 @@ class ReasoningGymEnv(BaseEnv):
         self.rng = random.Random(self.config.seed)
         self.test: list[tuple[dict[str, Any], Any]] = []
 
-    @classmethod
-    def config_init(cls) -> tuple[ReasoningGymEnvConfig, list[APIServerConfig]]:
-        env_config = ReasoningGymEnvConfig(
-            tokenizer_name="SmolLM2-135M-Instruct",
-            group_size=8,
-            use_wandb=True,
-            rollout_server_url="http://localhost:8000",
-            total_steps=250,
-            batch_size=12,
-            steps_per_eval=25,
-            max_token_length=1024,
-            wandb_name="reasoning_gym",
-        )
-        return env_config, local_server_configs()
+    default_server_configs = local_server_configs()
 
     # ------------------------------------------------------------------ data
 

@@ -115,7 +115,7 @@ def test_prompt_template_and_system_prompt(env) -> None:
 @pytest.mark.parametrize(
     ("fields", "field", "message"),
     [
-        ({}, "dataset_path", "set dataset_name"),
+        ({"dataset_name": None}, "dataset_path", "set dataset_name"),
         ({"dataset_name": "x", "reward_functions": ["nope"]}, "reward_functions", "'nope'"),
         ({"dataset_name": "x", "reward_functions": []}, "reward_functions", "at least one"),
         (

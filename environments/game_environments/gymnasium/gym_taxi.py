@@ -106,6 +106,9 @@ class TaxiGame(TextGame):
 class TaxiEnvConfig(TextGameEnvConfig):
     """Taxi settings (defaults allow a full ride)."""
 
+    max_turns: int = 20
+    max_token_length: int = 4096
+
 
 class GymTaxiEnv(TextGameEnv):
     """Taxi-v4 through text, one turn per move."""
@@ -117,10 +120,6 @@ class GymTaxiEnv(TextGameEnv):
         "destination D and drop them off, in as few moves as possible. south increases the row, "
         "north decreases it, east increases the column, west decreases it; '|' is a wall."
     )
-
-    @classmethod
-    def config_init(cls) -> tuple[TaxiEnvConfig, list]:
-        return cls.default_configs("gym_taxi", max_turns=20, max_token_length=4096)
 
     def make_game(self) -> TaxiGame:
         return TaxiGame()

@@ -102,6 +102,9 @@ class TextWorldGame(TextGame):
 class TextWorldEnvConfig(TextGameEnvConfig):
     """TextWorld settings."""
 
+    max_turns: int = 12
+    max_token_length: int = 4096
+
     games_dir: str = Field(default=str(DEFAULT_GAMES_DIR), description="Cache of compiled games")
     num_games: int = Field(default=20, ge=1, description="Size of the seeded game pool")
     nb_rooms: int = Field(default=2, ge=1, description="Rooms per generated game")
@@ -118,10 +121,6 @@ class TextWorldEnv(TextGameEnv):
         "You are playing a text adventure. Complete the objective by choosing commands from "
         "the list you are given. Think briefly, then give one command."
     )
-
-    @classmethod
-    def config_init(cls) -> tuple[TextWorldEnvConfig, list]:
-        return cls.default_configs("textworld", max_turns=12, max_token_length=4096)
 
     def make_game(self) -> TextWorldGame:
         c = self.config

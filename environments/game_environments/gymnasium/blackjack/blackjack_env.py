@@ -91,10 +91,6 @@ class BlackjackEnv(TextGameEnv):
         "dealer without going over. 'hit' takes a card, 'stick' ends your turn. Think briefly."
     )
 
-    @classmethod
-    def config_init(cls) -> tuple[BlackjackEnvConfig, list]:
-        return cls.default_configs("blackjack", max_turns=10, max_token_length=2048)
-
     def make_game(self) -> BlackjackGame:
         return BlackjackGame(natural=self.config.natural, sab=self.config.sab)
 
