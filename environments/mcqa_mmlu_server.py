@@ -25,10 +25,14 @@ from pydantic import Field
 
 from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
-from atroposlib.envs.rollout import eval_completion, group_from_samples, sample_chat_group
+from atroposlib.envs.rollout import (
+    apply_length_penalty,
+    eval_completion,
+    group_from_samples,
+    sample_chat_group,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.answers import extract_choice_letter, format_choices
-from atroposlib.scoring.rewards import length_penalty_scores
 
 SYSTEM_PROMPT = (
     "You are an expert who answers multiple-choice questions. Think briefly, then give your "
@@ -152,10 +156,8 @@ class MMLUEnv(BaseEnv):
             group_size=self.config.group_size,
         )
         self.log_train_metric("train/percent_correct", group["scores"])
-        if self.config.length_penalty and all(s == 1.0 for s in group["scores"]):
-            group["scores"] = length_penalty_scores(
-                [len(t) for t in group["tokens"]], self.config.max_token_length
-            )
+        if self.config.length_penalty:
+            apply_length_penalty(self, group, full_score=1.0)
         return group, []  # a flat group is dropped (and counted) by the sender
 
     async def _eval_one(self, row: dict[str, Any]) -> dict[str, Any]:

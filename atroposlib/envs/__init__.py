@@ -32,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     # building groups from rollouts (single- and multi-turn)
     "ChatSession": "atroposlib.envs.rollout",
     "Sample": "atroposlib.envs.rollout",
+    "apply_length_penalty": "atroposlib.envs.rollout",
+    "log_reward_terms": "atroposlib.envs.rollout",
+    "weighted_reward": "atroposlib.envs.rollout",
     "eval_completion": "atroposlib.envs.rollout",
     "group_from_samples": "atroposlib.envs.rollout",
     "group_from_trajectories": "atroposlib.envs.rollout",
@@ -73,11 +76,14 @@ __all__ = [
     "ServerManagerConfig",
     "VerifiersEnv",
     "VerifiersEnvConfig",
+    "apply_length_penalty",
     "eval_completion",
     "group_from_samples",
     "group_from_trajectories",
     "local_server_configs",
+    "log_reward_terms",
     "sample_chat_group",
+    "weighted_reward",
 ]
 
 
@@ -114,10 +120,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from atroposlib.envs.rollout import (
         ChatSession,
         Sample,
+        apply_length_penalty,
         eval_completion,
         group_from_samples,
         group_from_trajectories,
+        log_reward_terms,
         sample_chat_group,
+        weighted_reward,
     )
     from atroposlib.envs.server_handling.server_baseline import local_server_configs
     from atroposlib.envs.verifiers_env import VerifiersEnv, VerifiersEnvConfig

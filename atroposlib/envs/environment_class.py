@@ -63,7 +63,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +73,12 @@ from pydantic import Field, field_validator
 
 from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
-from atroposlib.envs.rollout import ChatSession, group_from_trajectories
+from atroposlib.envs.rollout import (
+    ChatSession,
+    group_from_trajectories,
+    log_reward_terms,
+    weighted_reward,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.tools import (
     ParsedCall,
@@ -622,21 +626,11 @@ class EnvironmentClassEnv(BaseEnv):
                 )
             for episode, value in zip(episodes, values, strict=True):
                 episode.terms[name] = None if value is None else float(value)
-        totals: list[float | None] = []
-        for episode in episodes:
-            parts = [
-                weight * episode.terms[name]
-                for name, weight, _ in self.terms
-                if episode.terms.get(name) is not None and not math.isnan(episode.terms[name])
-            ]
-            totals.append(sum(parts) if parts else None)
-        return totals
+        weights = {name: weight for name, weight, _ in self.terms}
+        return [weighted_reward(e.terms, weights) for e in episodes]
 
     def _log(self, prefix: str, episodes: list[Episode]) -> None:
-        for name, _, _ in self.terms:
-            values = [e.terms[name] for e in episodes if e.terms.get(name) is not None]
-            if values:
-                self.log_train_metric(f"{prefix}/{name}", values)
+        log_reward_terms(self, prefix, [e.terms for e in episodes])
         self.log_train_metric(f"{prefix}/tool_calls", [float(e.tool_calls) for e in episodes])
         self.log_train_metric(f"{prefix}/tool_failures", [float(e.tool_failures) for e in episodes])
         self.log_train_metric(f"{prefix}/turns", [float(e.turns) for e in episodes])

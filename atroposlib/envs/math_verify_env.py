@@ -24,13 +24,13 @@ from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
+    apply_length_penalty,
     eval_completion,
     group_from_samples,
     sample_chat_group,
 )
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring import math as math_scoring
-from atroposlib.scoring.rewards import length_penalty_scores
 
 __all__ = ["SYSTEM_PROMPT", "MathVerifyEnv", "MathVerifyEnvConfig"]
 
@@ -231,10 +231,8 @@ class MathVerifyEnv(BaseEnv):
         self.log_train_metric(
             "train/percent_correct", [1.0 if s == best else 0.0 for s in group["scores"]]
         )
-        if self.config.length_penalty and all(s == best for s in group["scores"]):
-            group["scores"] = length_penalty_scores(
-                [len(t) for t in group["tokens"]], self.config.max_token_length
-            )
+        if self.config.length_penalty:
+            apply_length_penalty(self, group, full_score=best)
         # a group whose scores are all equal is dropped (and counted) by BaseEnv when
         # ensure_scores_are_not_same is on
         # the trainer scales its logits by the temperature the samples were drawn at

@@ -25,7 +25,8 @@ A single-turn environment::
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ChatSession",
     "Sample",
+    "apply_length_penalty",
     "eval_completion",
+    "log_reward_terms",
+    "weighted_reward",
     "group_from_samples",
     "group_from_trajectories",
     "node_logprobs",
@@ -246,6 +250,63 @@ def group_from_trajectories(
     if group_size is not None and len(kept) != group_size:
         group["group_overrides"] = {"group_size": len(kept)}
     return group
+
+
+def weighted_reward(
+    terms: Mapping[str, float | None], weights: Mapping[str, float] | None = None
+) -> float | None:
+    """A sample's reward from its named reward terms: the weighted sum (weight 1 for a term
+    ``weights`` does not name) of the terms that scored it; a term that is None or NaN did not
+    score it (TRL's rule). None when no term did: send the sample with
+    ``set_advantage_to_zero`` (``group_from_trajectories`` does so for a None score)."""
+    weights = weights or {}
+    parts = [
+        weights.get(name, 1.0) * value
+        for name, value in terms.items()
+        if value is not None and not math.isnan(value)
+    ]
+    return sum(parts) if parts else None
+
+
+def log_reward_terms(
+    env: Any, prefix: str, per_sample: Sequence[Mapping[str, float | None]]
+) -> None:
+    """One metric per reward term, ``<prefix>/<term>``: the mean (unweighted) of the samples
+    the term scored, through ``env.log_train_metric``."""
+    names: dict[str, None] = {}
+    for terms in per_sample:
+        names.update(dict.fromkeys(terms))
+    for name in names:
+        values = [
+            float(t[name])
+            for t in per_sample
+            if t.get(name) is not None and not math.isnan(float(t[name]))
+        ]
+        if values:
+            env.log_train_metric(f"{prefix}/{name}", values)
+
+
+def apply_length_penalty(
+    env: Any, group: ScoredDataGroup, *, full_score: float, threshold: float = 0.5
+) -> bool:
+    """Upstream's length penalty, in one place for every env: when every sequence of
+    ``group`` scored at least ``full_score`` (all right: no signal left), scale each score by
+    its sequence's factor (:func:`atroposlib.scoring.rewards.length_penalty_scores`: 1.0 up to
+    ``threshold * max_token_length`` tokens, falling linearly to 0.0 at ``max_token_length``),
+    so shorter right answers are preferred. Logs ``train/length_penalty_applied`` (1 or 0 per
+    group). Returns whether it applied.
+    """
+    from atroposlib.scoring.rewards import length_penalty_scores
+
+    scores = group["scores"]
+    applies = bool(scores) and all(s >= full_score for s in scores)
+    env.log_train_metric("train/length_penalty_applied", 1.0 if applies else 0.0)
+    if applies:
+        factors = length_penalty_scores(
+            [len(t) for t in group["tokens"]], env.config.max_token_length, threshold
+        )
+        group["scores"] = [s * f for s, f in zip(scores, factors, strict=True)]
+    return applies
 
 
 async def eval_completion(

@@ -50,7 +50,7 @@ from pydantic import Field
 
 from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
-from atroposlib.envs.rollout import group_from_trajectories
+from atroposlib.envs.rollout import group_from_trajectories, log_reward_terms
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.envs.tokenizers import resolve_tokenizer_name
 from atroposlib.utils.cli import merge_dicts
@@ -399,14 +399,7 @@ class VerifiersEnv(BaseEnv):
         return episode
 
     def _log_samples(self, prefix: str, samples: list[VerifiersSample]) -> None:
-        terms: dict[str, list[float]] = {}
-        for sample in samples:
-            for name, value in sample.rewards.items():
-                terms.setdefault(f"{prefix}/{name}", []).append(value)
-            for name, value in sample.metrics.items():
-                terms.setdefault(f"{prefix}/{name}", []).append(value)
-        for name, values in terms.items():
-            self.log_train_metric(name, values)
+        log_reward_terms(self, prefix, [{**s.rewards, **s.metrics} for s in samples])
 
     async def collect_trajectories(
         self, item: dict[str, Any]

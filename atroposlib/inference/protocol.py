@@ -269,19 +269,11 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True
 
 
-class GenerateRequest(BaseModel):
-    """``POST /generate``: vLLM's token-level endpoint as upstream's ``VLLMServer`` calls it.
+class _VLLMSampling(BaseModel):
+    """The vLLM ``SamplingParams`` fields the token-level endpoints take (``/generate``'s body,
+    ``/inference/v1/generate``'s ``sampling_params``), with vLLM's defaults."""
 
-    ``prompt`` is ``{"prompt_token_ids": [...]}`` (or plain text); the other fields are vLLM
-    ``SamplingParams`` keyword arguments.
-    """
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    prompt: dict[str, list[int]] | str
-    stream: Literal[False] = False
     n: int = 1
-    max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -292,39 +284,61 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+
+def _vllm_sampling(
+    body: _VLLMSampling, max_tokens: int, prompt_logprobs: int | None
+) -> SamplingParams:
+    """The engine's :class:`SamplingParams` from vLLM ``SamplingParams`` fields (the token-level
+    endpoints' bodies)."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        n=body.n,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=-1 if body.top_k == 0 else body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+class GenerateRequest(_VLLMSampling):
+    """``POST /generate``: vLLM's token-level endpoint as upstream's ``VLLMServer`` calls it.
+
+    ``prompt`` is ``{"prompt_token_ids": [...]}`` (or plain text); the other fields are vLLM
+    ``SamplingParams`` keyword arguments.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    prompt: dict[str, list[int]] | str
+    stream: Literal[False] = False
+    max_tokens: int = 16
+    prompt_logprobs: int | None = None
+
     def sampling_params(self) -> SamplingParams:
         """The engine's :class:`SamplingParams` for this request."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=-1 if self.top_k == 0 else self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-        )
+        return _vllm_sampling(self, self.max_tokens, self.prompt_logprobs)
 
 
-class TokenSamplingParams(BaseModel):
+class TokenSamplingParams(_VLLMSampling):
     """``sampling_params`` of ``POST /inference/v1/generate``: vLLM ``SamplingParams`` fields.
 
     ``max_tokens`` left out means whatever context is left after the prompt (vLLM's default).
@@ -340,23 +354,7 @@ class TokenSamplingParams(BaseModel):
         {"reasoning_effort", "routed_experts_prompt_start", "extra_args", "output_kind"}
     )
 
-    n: int = 1
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
 
     def unsupported(self) -> list[str]:
         """The keys given that this server neither implements nor may ignore."""
@@ -364,26 +362,7 @@ class TokenSamplingParams(BaseModel):
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`, with ``max_tokens`` resolved by the caller."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens,
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=-1 if self.top_k == 0 else self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            logprobs=self.logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-        )
+        return _vllm_sampling(self, max_tokens, None)
 
 
 class TokenGenerateRequest(BaseModel):

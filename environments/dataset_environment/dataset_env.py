@@ -48,15 +48,17 @@ from atroposlib.envs.base import (
 from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
+    apply_length_penalty,
     eval_completion,
     group_from_samples,
+    log_reward_terms,
     sample_chat_group,
+    weighted_reward,
 )
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.scoring.rewards import (
     REWARD_FUNCTIONS,
     RewardFn,
-    length_penalty_scores,
 )
 from atroposlib.utils.data import load_rows
 
@@ -353,7 +355,7 @@ class DatasetEnv(BaseEnv):
     def score_text(self, completion: str, row: dict[str, Any]) -> float:
         """The weighted reward of one completion."""
         raw = self.reward_breakdown(completion, row)
-        return float(sum(w * raw[name] for name, _, w, _ in self.rewards))
+        return float(weighted_reward(raw, {name: w for name, _, w, _ in self.rewards}) or 0.0)
 
     @property
     def max_reward(self) -> float:
@@ -365,16 +367,18 @@ class DatasetEnv(BaseEnv):
         kept = [s for s in samples if s.trainable_tokens >= self.config.min_completion_tokens]
         if not kept:
             return None
+        weights = {name: w for name, _, w, _ in self.rewards}
+        terms = [self.reward_breakdown(s.text, row) for s in kept]
         group = group_from_samples(
-            kept, [self.score_text(s.text, row) for s in kept], group_size=self.config.group_size
+            kept,
+            [float(weighted_reward(t, weights) or 0.0) for t in terms],
+            group_size=self.config.group_size,
         )
         self.log_train_metric("train/mean_score", group["scores"])
+        log_reward_terms(self, "train", terms)
         top = self.max_reward
-        if self.config.length_penalty and top > 0 and all(s >= top for s in group["scores"]):
-            factors = length_penalty_scores(
-                [len(t) for t in group["tokens"]], self.config.max_token_length
-            )
-            group["scores"] = [s * f for s, f in zip(group["scores"], factors, strict=True)]
+        if self.config.length_penalty and top > 0:
+            apply_length_penalty(self, group, full_score=top)
         return group  # a flat group is dropped (and counted) by the sender
 
     def _max_tokens(self) -> int:

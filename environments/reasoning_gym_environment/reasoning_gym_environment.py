@@ -37,6 +37,7 @@ from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
 from atroposlib.envs.rollout import (
     Sample,
+    apply_length_penalty,
     eval_completion,
     group_from_samples,
     sample_chat_group,
@@ -276,13 +277,10 @@ class ReasoningGymEnv(BaseEnv):
         self.log_train_metric(
             "train/percent_correct", [1.0 if s >= 0.5 else 0.0 for s in group["scores"]]
         )
-        if all(s >= 0.5 for s in group["scores"]):
-            max_len = self.config.max_token_length
-            cut = max_len * self.config.length_penalty_threshold
-            group["scores"] = [
-                s if len(t) <= cut else s * (1.0 - min((len(t) - cut) / (max_len - cut), 1.0))
-                for s, t in zip(group["scores"], group["tokens"], strict=True)
-            ]
+        # every answer at least half right: prefer the shorter ones
+        apply_length_penalty(
+            self, group, full_score=0.5, threshold=self.config.length_penalty_threshold
+        )
         return group  # a flat group is dropped (and counted) by the sender
 
     async def collect_trajectories(

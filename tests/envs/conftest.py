@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import REPO, start_server
@@ -31,16 +33,22 @@ RULES = {
 }
 
 
+def start_scripted_server(tmp_path_factory: pytest.TempPathFactory, model: Path):
+    """``atropos-serve`` running a scripted model (``build_scripted_model``) as ``tiny``; the
+    caller stops it."""
+    with pytest.MonkeyPatch.context() as patch:  # the server loads the scripted model type
+        patch.setenv("PYTHONPATH", str(STANDINS))
+        patch.setenv("ATROPOS_SCRIPTED_MODEL", "1")
+        return start_server(
+            tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
+        )
+
+
 @pytest.fixture(scope="session")
 def scripted_tools(tmp_path_factory: pytest.TempPathFactory):
     """atropos-serve running the scripted tool user, served as ``tiny``."""
     model = build_scripted_model(tmp_path_factory.mktemp("scripted") / "tools", RULES)
-    with pytest.MonkeyPatch.context() as patch:  # the server loads the scripted model type
-        patch.setenv("PYTHONPATH", str(STANDINS))
-        patch.setenv("ATROPOS_SCRIPTED_MODEL", "1")
-        server = start_server(
-            tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
-        )
+    server = start_scripted_server(tmp_path_factory, model)
     try:
         yield server, model
     finally:

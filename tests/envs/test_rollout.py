@@ -289,3 +289,23 @@ def test_group_from_trajectories_keeps_what_each_episode_gave() -> None:
     assert group_from_trajectories([None, None], [1.0, 0.0]) is None
     with pytest.raises(ValueError, match="2 trajectories but 1 scores"):
         group_from_trajectories([None, None], [1.0])
+
+
+def test_apply_length_penalty_only_on_all_right_groups_and_counts_itself() -> None:
+    from types import SimpleNamespace
+
+    from atroposlib.envs import apply_length_penalty
+
+    logged: list[tuple[str, float]] = []
+    env = SimpleNamespace(
+        config=SimpleNamespace(max_token_length=100),
+        log_train_metric=lambda name, value: logged.append((name, value)),
+    )
+    group = {"tokens": [[0] * 40, [0] * 75, [0] * 100], "scores": [2.0, 2.0, 2.0]}
+    assert apply_length_penalty(env, group, full_score=2.0)
+    # 1.0 up to half the budget, then down to 0 at the budget, times the score
+    assert group["scores"] == pytest.approx([2.0, 1.0, 0.0])
+    mixed = {"tokens": [[0] * 90, [0] * 90], "scores": [1.0, 0.0]}
+    assert not apply_length_penalty(env, mixed, full_score=1.0)
+    assert mixed["scores"] == [1.0, 0.0]
+    assert logged == [("train/length_penalty_applied", 1.0), ("train/length_penalty_applied", 0.0)]

@@ -21,14 +21,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from atroposlib.schema import ScoredData, check_group
-from tests.conftest import REPO, start_server
+from tests.envs.conftest import start_scripted_server
 from tests.envs.test_environment_class import reply_ids, trained_turns
 from tests.upstream_envs.scripted_model import build_scripted_model
 
 HERE = Path(__file__).resolve().parent
 TASKSETS = HERE / "verifiers_tasksets"
 VF_PY = Path(os.environ.get("ATROPOS_VERIFIERS04_PYTHON", "/tmp/verifiers-0.4-venv/bin/python"))
-STANDINS = REPO / "tests" / "upstream_envs" / "standins"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -62,12 +61,7 @@ def vf_serve(tmp_path_factory: pytest.TempPathFactory):
         special_tokens=("<tool_call>", "</tool_call>"),
         chat_template=(TASKSETS / "tool_chat_template.jinja").read_text(),
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(STANDINS))
-        patch.setenv("ATROPOS_SCRIPTED_MODEL", "1")
-        server = start_server(
-            tmp_path_factory, model, "--dtype", "float32", "--served-model-name", "tiny"
-        )
+    server = start_scripted_server(tmp_path_factory, model)
     try:
         yield server, model
     finally:
