@@ -75,9 +75,7 @@ import asyncio
 import json
 import logging
 import os
-import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -105,7 +103,7 @@ from atroposlib.envs.tokenizers import (
 )
 from atroposlib.envs.wandb_logging import WandbLogging
 from atroposlib.schema import ScoredDataGroup, ScoredDataItem
-from atroposlib.type_definitions import UUID, Item
+from atroposlib.type_definitions import Item
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +121,41 @@ __all__ = [
 ]
 
 
+class _Owned:
+    """A ``BaseEnv`` attribute whose value lives on one of the env's runtime objects (named by
+    ``owner``, e.g. ``_group_sender``): ``env.drop_counts`` reads and writes
+    ``env._group_sender.drop_counts``. Upstream code keeps its attribute names; the state
+    has one owner."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.name = ""
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, env: Any, cls: type | None = None) -> Any:
+        if env is None:
+            return self
+        try:
+            owner = env.__dict__[self.owner]
+        except KeyError:
+            raise AttributeError(
+                f"{type(env).__name__}.{self.name} is not set until BaseEnv.__init__ has run"
+            ) from None
+        return getattr(owner, self.name)
+
+    def __set__(self, env: Any, value: Any) -> None:
+        try:
+            owner = env.__dict__[self.owner]
+        except KeyError:
+            raise AttributeError(
+                f"{type(env).__name__}.{self.name} can be set once BaseEnv.__init__ has run "
+                "(call super().__init__ first)"
+            ) from None
+        setattr(owner, self.name, value)
+
+
 class BaseEnv(ABC):
     """Base class of every environment (see the module docstring for the contract)."""
 
@@ -136,6 +169,41 @@ class BaseEnv(ABC):
     #: ``local_server_configs()`` for the embedded ``atropos-serve``; None: upstream's
     #: ``ServerBaseline()``.
     default_server_configs: list[APIServerConfig] | ServerBaseline | None = None
+
+    # Upstream's runtime attributes, readable and writable on the env as upstream code uses
+    # them; their values live on the runtime object that owns them.
+    # the run, as the API told it (registration.py)
+    env_id = _Owned("_registration")
+    status_dict = _Owned("_registration")
+    curr_step = _Owned("_registration")
+    max_token_len = _Owned("_registration")
+    checkpoint_dir = _Owned("_registration")
+    checkpoint_interval = _Owned("_registration")
+    wandb_project = _Owned("_registration")
+    wandb_group = _Owned("_registration")
+    wandb_prepend = _Owned("_registration")
+    _sent_since_status = _Owned("_registration")
+    # rollouts and their timings (runtime.py)
+    workers = _Owned("_serve_loop")
+    running_items = _Owned("_serve_loop")
+    backlog = _Owned("_serve_loop")
+    eval_runner = _Owned("_serve_loop")
+    retried_rollouts = _Owned("_serve_loop")
+    task_duration = _Owned("_serve_loop")
+    succeeded_task_duration = _Owned("_serve_loop")
+    failed_task_duration = _Owned("_serve_loop")
+    mainloop_timings = _Owned("_serve_loop")
+    workers_added_list = _Owned("_serve_loop")
+    # what was sent and dropped (group_sender.py)
+    drop_counts = _Owned("_group_sender")
+    groups_sent = _Owned("_group_sender")
+    items_sent_this_step = _Owned("_group_sender")
+    _flat_report = _Owned("_group_sender")
+    # W&B buffers (wandb_logging.py)
+    rollouts_for_wandb = _Owned("_wandb_logging")
+    completion_lengths = _Owned("_wandb_logging")
+    eval_metrics = _Owned("_wandb_logging")
+    _evaluate_logged = _Owned("_wandb_logging")
 
     def __init__(
         self,
@@ -160,54 +228,19 @@ class BaseEnv(ABC):
             max_n_completions=options.get("max_n_completions", 8),
             proxy_url=options.get("proxy_url"),
         )
-        # the run, as the API told it (registration.py)
-        self.env_id: int | None = None
-        self.status_dict: dict[str, Any] | None = None
-        self.curr_step = 0
-        self.max_token_len = -1
+        # the runtime, in its own modules; each owns its state (below, the upstream attribute
+        # names that read and write it) and calls this env's methods through ``self``
+        self._registration = Registration(self)
+        self._group_sender = GroupSender(self)
+        self._wandb_logging = WandbLogging(self)
+        self._serve_loop = ServeLoop(self)
         self.max_num_workers = self._resolve_max_workers()
-        self.checkpoint_dir = ""
-        self.checkpoint_interval = -1
-        self.wandb_project: str | None = None
-        self.wandb_group: str | None = None
-        self.wandb_prepend: str | None = None
-        # rollouts (runtime.py): running tasks, uuid -> {item, worker, start_time, ...}, items
-        # to roll out later, the running eval
-        self.workers: set[asyncio.Task] = set()
-        self.running_items: dict[UUID, dict[str, Any]] = {}
-        self.backlog: list[Item] = []
-        self.eval_runner: asyncio.Task | None = None
-        # counters: why work was dropped (reason -> count: ``error``, ``timeout``,
-        # ``group_size``, ``same_scores``, ``too_long``, ``malformed``, ``send_failed``,
-        # ``refused``), rollouts retried, groups sent (group_sender.py)
-        self.drop_counts: Counter[str] = Counter()
-        self.retried_rollouts = 0
-        self.groups_sent = 0
-        self.items_sent_this_step = 0
-        self._sent_since_status = 0  # groups sent since the last /status-env
-        self._flat_report = (time.monotonic(), 0)  # when flat groups were last reported, count
-        # W&B buffers (wandb_logging.py): timings in seconds, kept rollouts, completion
-        # lengths, eval metrics ``(name, value)`` queued by ``evaluate_log`` for the next log
-        self.task_duration: list[float] = []
-        self.succeeded_task_duration: list[float] = []
-        self.failed_task_duration: list[float] = []
-        self.mainloop_timings: list[float] = []
-        self.workers_added_list: list[int] = []
-        self.rollouts_for_wandb: list[list[tuple[str, float]]] = []
-        self.completion_lengths: list[int] = []
-        self.eval_metrics: list[tuple[str, Any]] = []
-        self._evaluate_logged = False
         self._api: RolloutApiClient | None = None
         #: Where ``process`` (or ``serve`` with ``data_path_to_save_groups``) writes groups.
         self.jsonl_writer: JsonlWriter | None = None
         if config.data_path_to_save_groups is not None:
             self.jsonl_writer = JsonlWriter.at_free_path(config.data_path_to_save_groups)
             self.config.data_path_to_save_groups = str(self.jsonl_writer.path)
-        # the runtime, in its own modules; each calls this env's methods through ``self``
-        self._serve_loop = ServeLoop(self)
-        self._registration = Registration(self)
-        self._group_sender = GroupSender(self)
-        self._wandb_logging = WandbLogging(self)
 
     # ------------------------------------------------------------------ construction helpers
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,13 @@ class GroupSender:
         self.env = env
         self._pending: list[tuple[list[dict], asyncio.Future]] = []
         self._task: asyncio.Task | None = None
+        # counters (``env.drop_counts`` and friends read these): why work was dropped (reason
+        # -> count: ``error``, ``timeout``, ``group_size``, ``same_scores``, ``too_long``,
+        # ``malformed``, ``send_failed``, ``refused``), groups sent
+        self.drop_counts: Counter[str] = Counter()
+        self.groups_sent = 0
+        self.items_sent_this_step = 0
+        self._flat_report = (time.monotonic(), 0)  # when flat groups were last reported, count
 
     async def handle(
         self,
@@ -128,7 +136,7 @@ class GroupSender:
                 continue
             reason = self.check_group(group, abort_on_any_max_length_exceeded)
             if reason is not None:
-                env.drop_counts[reason] += 1
+                self.drop_counts[reason] += 1
                 continue
             if version is not None and group.get("policy_version") is None:
                 group["policy_version"] = version
@@ -148,7 +156,7 @@ class GroupSender:
                 env.jsonl_writer.write({**group, "step": env.curr_step})
             valid.append(group)
         if valid and do_send_to_api:
-            env.items_sent_this_step += len(valid)
+            self.items_sent_this_step += len(valid)
             payload: Any = valid[0] if not was_list and len(valid) == 1 else valid
             try:
                 await self.send(payload)
@@ -202,26 +210,25 @@ class GroupSender:
     def _report_flat_groups(self, every: float = 30.0) -> None:
         """At most every ``every`` seconds, say how many groups were dropped for scoring
         alike: while most are, a trainer waits long for each batch and this is why.
-        (State in ``env._flat_report``: when last reported, the count then.)"""
-        env = self.env
-        since, reported = env._flat_report
-        now, total = time.monotonic(), env.drop_counts["same_scores"] + 1
+        (State in ``self._flat_report``: when last reported, the count then.)"""
+        since, reported = self._flat_report
+        now, total = time.monotonic(), self.drop_counts["same_scores"] + 1
         if now - since >= every:
             logger.info(
                 "%d group(s) dropped in the last %.0f s: all replies scored alike, no learning "
                 "signal (ensure_scores_are_not_same); %d sent so far",
                 total - reported,
                 now - since,
-                env.groups_sent,
+                self.groups_sent,
             )
-            env._flat_report = (now, total)
+            self._flat_report = (now, total)
 
     def _log_send_failure(self, exc: BaseException, n_groups: int) -> None:
         if isinstance(exc, ApiRefused):
-            self.env.drop_counts["refused"] += n_groups
+            self.drop_counts["refused"] += n_groups
             logger.error("The API refused %d group(s): %s", n_groups, exc)
         else:
-            self.env.drop_counts["send_failed"] += n_groups
+            self.drop_counts["send_failed"] += n_groups
             logger.error(
                 "Failed to send %d group(s): %s",
                 n_groups,
@@ -280,7 +287,7 @@ class GroupSender:
                     self._count_sent(len(groups))
 
     def _count_sent(self, n_groups: int) -> None:
-        self.env.groups_sent += n_groups
+        self.groups_sent += n_groups
         self.env._sent_since_status += n_groups
 
     async def _try_post_once(self, groups: list[dict]) -> bool:

@@ -35,6 +35,17 @@ class Registration:
     def __init__(self, env: BaseEnv) -> None:
         self.env = env
         self._lock: asyncio.Lock | None = None
+        # the run, as the API told it (``env.env_id`` and friends read these)
+        self.env_id: int | None = None
+        self.status_dict: dict[str, Any] | None = None
+        self.curr_step = 0
+        self.max_token_len = -1
+        self.checkpoint_dir = ""
+        self.checkpoint_interval = -1
+        self.wandb_project: str | None = None
+        self.wandb_group: str | None = None
+        self.wandb_prepend: str | None = None
+        self._sent_since_status = 0  # groups sent since the last /status-env
 
     def payload(self) -> dict[str, Any]:
         """The ``/register-env`` body."""
@@ -65,11 +76,11 @@ class Registration:
                 logger.info("Waiting to register the env (API status: %s)", data.get("status"))
             waited += 1
             await asyncio.sleep(1.0)
-        env.env_id = data["env_id"]
-        env.wandb_prepend = data.get("wandb_name")
-        env.curr_step = data.get("starting_step", 0)
-        env.checkpoint_dir = data.get("checkpoint_dir") or ""
-        env.checkpoint_interval = data.get("checkpoint_interval", -1)
+        self.env_id = data["env_id"]
+        self.wandb_prepend = data.get("wandb_name")
+        self.curr_step = data.get("starting_step", 0)
+        self.checkpoint_dir = data.get("checkpoint_dir") or ""
+        self.checkpoint_interval = data.get("checkpoint_interval", -1)
         if env.config.total_steps == -1:
             env.config.total_steps = data.get("num_steps", -1)
             if env.config.total_steps == -1:
@@ -80,13 +91,13 @@ class Registration:
         logger.info(
             "Registered env %s as id %s (%s): step %s, checkpoint_dir %r, interval %s",
             env.display_name,
-            env.env_id,
-            env.wandb_prepend,
-            env.curr_step,
-            env.checkpoint_dir,
-            env.checkpoint_interval,
+            self.env_id,
+            self.wandb_prepend,
+            self.curr_step,
+            self.checkpoint_dir,
+            self.checkpoint_interval,
         )
-        if env.curr_step > 0:
+        if self.curr_step > 0:
             env.load_checkpoint()
 
     async def reregister(self, stale_env_id: int | None) -> None:
@@ -96,12 +107,12 @@ class Registration:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if env.env_id != stale_env_id:
+            if self.env_id != stale_env_id:
                 return
             logger.warning(
                 "The API does not know env id %s any more; registering again", stale_env_id
             )
-            env.status_dict = None
+            self.status_dict = None
             await env.register_env()
             await env.get_server_info()
 
@@ -112,7 +123,7 @@ class Registration:
         if data.get("batch_size", -1) != -1:
             env.config.batch_size = data["batch_size"]
         if data.get("max_token_len", -1) != -1:
-            env.max_token_len = data["max_token_len"]
+            self.max_token_len = data["max_token_len"]
         if data.get("batch_size", -1) != -1 and data.get("max_token_len", -1) <= 0:
             # A registered trainer sent max_token_len <= 0: upstream's way of asking for no
             # length limit. Kept (upstream trainers may rely on it), but said once, not silently.
@@ -134,7 +145,7 @@ class Registration:
         """``get_status``: ``GET /status-env`` (a JSON body, as upstream's API expects); update
         ``status_dict``, the worker cap and the env's inference weight."""
         env = self.env
-        env_id = env.env_id
+        env_id = self.env_id
         try:
             status = await env.api.request_json_patiently(
                 "GET", "/status-env", {"env_id": env_id}, what="/status-env"
@@ -142,8 +153,8 @@ class Registration:
         except UnknownEnvError:
             await self.reregister(env_id)
             return
-        env.status_dict = status
-        env._sent_since_status = 0
+        self.status_dict = status
+        self._sent_since_status = 0
         env.max_num_workers = env._resolve_max_workers()
         weight = status.get("env_weight")
         if weight is not None:
@@ -152,10 +163,12 @@ class Registration:
     async def disconnect(self) -> None:
         """``POST /disconnect-env`` (5 s, best effort: a failure is logged)."""
         env = self.env
-        if env.env_id is None:
+        if self.env_id is None:
             return
         try:
-            await env.api.request_json("POST", "/disconnect-env", {"env_id": env.env_id}, timeout=5)
-            logger.info("Disconnected env %s from the API", env.env_id)
+            await env.api.request_json(
+                "POST", "/disconnect-env", {"env_id": self.env_id}, timeout=5
+            )
+            logger.info("Disconnected env %s from the API", self.env_id)
         except Exception as exc:  # noqa: BLE001 - leaving anyway
             logger.warning("Could not disconnect from the API: %r", exc)

@@ -40,7 +40,7 @@ from atroposlib.envs import throttle
 from atroposlib.envs.config import EvalHandlingEnum
 from atroposlib.envs.pinned_eval import pinned_evaluate
 from atroposlib.envs.server_handling.policy_version import end_rollout, start_rollout
-from atroposlib.type_definitions import Item
+from atroposlib.type_definitions import UUID, Item
 
 if TYPE_CHECKING:
     from atroposlib.envs.base import BaseEnv
@@ -96,13 +96,26 @@ def record_failure(env: BaseEnv, item: Item, attempts: int, reason: str, detail:
 class ServeLoop:
     """The ``serve`` runtime of one environment (``env._serve_loop``).
 
-    Running rollouts are in ``env.workers`` (tasks) and ``env.running_items`` (uuid -> item,
+    Running rollouts are in ``self.workers`` (tasks) and ``self.running_items`` (uuid -> item,
     worker, start time, attempts, whether it is sending); the loop's own state is the queue
     of items to retry and the event that wakes it.
     """
 
     def __init__(self, env: BaseEnv) -> None:
         self.env = env
+        # the rollouts (``env.workers`` and friends read these): running tasks, uuid ->
+        # {item, worker, start_time, ...}, items to roll out later, the running eval
+        self.workers: set[asyncio.Task] = set()
+        self.running_items: dict[UUID, dict[str, Any]] = {}
+        self.backlog: list[Item] = []
+        self.eval_runner: asyncio.Task | None = None
+        self.retried_rollouts = 0
+        # timings for W&B, in seconds (``env.task_duration`` ...)
+        self.task_duration: list[float] = []
+        self.succeeded_task_duration: list[float] = []
+        self.failed_task_duration: list[float] = []
+        self.mainloop_timings: list[float] = []
+        self.workers_added_list: list[int] = []
         #: Items to roll out again: ``(item, failed attempts so far)``.
         self.retry_queue: deque[tuple[Item, int]] = deque()
         self._wake: asyncio.Event | None = None
@@ -152,7 +165,7 @@ class ServeLoop:
         while True:
             now = time.monotonic()
             if last_loop_time is not None:
-                env.mainloop_timings.append(max(0.0, time.time() - last_loop_time))
+                self.mainloop_timings.append(max(0.0, time.time() - last_loop_time))
             last_loop_time = time.time()
             if now >= next_poll:
                 await env.get_status()
@@ -191,17 +204,17 @@ class ServeLoop:
     async def _shutdown(self) -> None:
         """Cancel rollouts and the eval, stop the sender, disconnect, close every client."""
         env = self.env
-        tasks = list(env.workers)
+        tasks = list(self.workers)
         for task in tasks:
             task.cancel()
-        for runner in (env.eval_runner, self.pinned_eval):
+        for runner in (self.eval_runner, self.pinned_eval):
             if runner is not None and not runner.done():
                 runner.cancel()
                 tasks.append(runner)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        env.workers = set()
-        env.running_items = {}
+        self.workers = set()
+        self.running_items = {}
         if env.eval_metrics and env.config.use_wandb:
             # an eval that finished after the last step's log still reaches W&B
             try:
@@ -223,7 +236,7 @@ class ServeLoop:
             "Env stopped: %d groups sent, %d rollouts retried, %d surplus rollouts cancelled "
             "(queue full), dropped: %s",
             env.groups_sent,
-            env.retried_rollouts,
+            self.retried_rollouts,
             self.cancelled_surplus,
             dict(env.drop_counts) or "none",
         )
@@ -280,7 +293,7 @@ class ServeLoop:
         rate; None while an eval holds training back."""
         env = self.env
         cap = env.max_num_workers
-        if env.eval_runner is not None and not env.eval_runner.done():
+        if self.eval_runner is not None and not self.eval_runner.done():
             if env.config.eval_handling == EvalHandlingEnum.STOP_TRAIN:
                 return None
             if env.config.eval_handling == EvalHandlingEnum.LIMIT_TRAIN:
@@ -316,19 +329,19 @@ class ServeLoop:
             return
         plain, cap = caps
         added = 0
-        while len(env.workers) < cap:
+        while len(self.workers) < cap:
             if self.retry_queue:
                 item, attempts = self.retry_queue.popleft()
-            elif env.backlog:
-                item, attempts = env.backlog.pop(), 0
+            elif self.backlog:
+                item, attempts = self.backlog.pop(), 0
             else:
                 item, attempts = await env.get_next_item(), 0
                 if item is None:
                     break
-            self._spawn(item, attempts, surplus=len(env.workers) >= plain)
+            self._spawn(item, attempts, surplus=len(self.workers) >= plain)
             added += 1
         if added:
-            env.workers_added_list.append(added)
+            self.workers_added_list.append(added)
 
     async def env_step_checks(self) -> None:
         """``env_step_checks``: eval / checkpoint on crossed multiples, W&B on a new step."""
@@ -344,10 +357,10 @@ class ServeLoop:
             pinned = self.pinned_eval is not None and not self.pinned_eval.done()
             if pinned:
                 logger.info("Step %d: a pinned evaluation runs; no step evaluation", new_step)
-            elif env.eval_runner is None or env.eval_runner.done():
+            elif self.eval_runner is None or self.eval_runner.done():
                 logger.info("Step %d: starting evaluate()", new_step)
-                env.eval_runner = asyncio.create_task(env.evaluate())
-                env.eval_runner.add_done_callback(_log_eval_result)
+                self.eval_runner = asyncio.create_task(env.evaluate())
+                self.eval_runner.add_done_callback(_log_eval_result)
             else:
                 logger.warning(
                     "The previous eval is still running; skipping the eval at step %d", new_step
@@ -369,7 +382,7 @@ class ServeLoop:
             return
         if self.pinned_eval is not None and not self.pinned_eval.done():
             return
-        if self.env.eval_runner is not None and not self.env.eval_runner.done():
+        if self.eval_runner is not None and not self.eval_runner.done():
             return  # the step evaluation finishes first
         self._pinned_request = request["request_id"]
         logger.info(
@@ -391,7 +404,7 @@ class ServeLoop:
 
     async def _handle_env(self, item_uuid: str) -> Any:
         env = self.env
-        entry = env.running_items.get(item_uuid)
+        entry = self.running_items.get(item_uuid)
         if entry is None:
             logger.warning("item %s not found", item_uuid)
             return None
@@ -400,28 +413,28 @@ class ServeLoop:
         try:
             to_postprocess, to_backlog = await env.collect_trajectories(item)
             if to_backlog:
-                env.backlog.extend(to_backlog)
+                self.backlog.extend(to_backlog)
             if to_postprocess:
                 to_postprocess = await env.postprocess_histories(to_postprocess)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - retried, then counted with the traceback
-            env.running_items.pop(item_uuid, None)
+            self.running_items.pop(item_uuid, None)
             self._retry_or_drop(entry, "error", traceback.format_exc())
-            env.failed_task_duration.append(time.time() - start)
+            self.failed_task_duration.append(time.time() - start)
             return None
         duration = max(0.0, time.time() - start)
-        env.task_duration.append(duration)
+        self.task_duration.append(duration)
         entry["sending"] = True
         try:
             if to_postprocess:
-                env.succeeded_task_duration.append(duration)
+                self.succeeded_task_duration.append(duration)
                 await env.handle_send_to_api(to_postprocess, item)
             else:
-                env.failed_task_duration.append(duration)
+                self.failed_task_duration.append(duration)
             await env.cleanup()
         finally:
-            env.running_items.pop(item_uuid, None)
+            self.running_items.pop(item_uuid, None)
         return to_postprocess
 
     # ------------------------------------------------------------------ workers
@@ -432,7 +445,7 @@ class ServeLoop:
         env = self.env
         item_uuid = str(uuid.uuid4())
         task = asyncio.create_task(env.handle_env(item_uuid))
-        env.running_items[item_uuid] = {
+        self.running_items[item_uuid] = {
             "item": item,
             "worker": task,
             "start_time": time.time(),
@@ -440,11 +453,11 @@ class ServeLoop:
             "sending": False,
             "surplus": surplus,
         }
-        env.workers.add(task)
+        self.workers.add(task)
         task.add_done_callback(partial(self._worker_done, item))
 
     def _worker_done(self, item: Item, task: asyncio.Task) -> None:
-        self.env.workers.discard(task)
+        self.workers.discard(task)
         if not task.cancelled():
             self._rollout_finished()
         if not task.cancelled() and task.exception() is not None:
@@ -465,12 +478,12 @@ class ServeLoop:
         if timeout <= 0:
             return
         now = time.time()
-        for item_uuid, entry in list(env.running_items.items()):
+        for item_uuid, entry in list(self.running_items.items()):
             if entry["sending"] or now - entry["start_time"] <= timeout:
                 continue
-            env.running_items.pop(item_uuid, None)
+            self.running_items.pop(item_uuid, None)
             entry["worker"].cancel()
-            env.workers.discard(entry["worker"])
+            self.workers.discard(entry["worker"])
             self._rollout_finished()  # a rollout that yielded nothing
             self._retry_or_drop(
                 entry, "timeout", f"no result after {now - entry['start_time']:.1f}s"
@@ -479,14 +492,13 @@ class ServeLoop:
     def _cancel_surplus(self) -> None:
         """The queue is full: cancel the rollouts started beyond the plain cap that are not
         sending yet, and keep their items to roll out first when rollouts start again."""
-        env = self.env
         cancelled = 0
-        for item_uuid, entry in list(env.running_items.items()):
+        for item_uuid, entry in list(self.running_items.items()):
             if not entry.get("surplus") or entry["sending"]:
                 continue
-            env.running_items.pop(item_uuid, None)
+            self.running_items.pop(item_uuid, None)
             entry["worker"].cancel()
-            env.workers.discard(entry["worker"])
+            self.workers.discard(entry["worker"])
             self.retry_queue.appendleft((entry["item"], entry["attempts"]))
             cancelled += 1
         if cancelled:

@@ -55,6 +55,13 @@ class WandbLogging:
         self.run: Any = None
         #: ``log_train_metric``'s buffer: name -> values since the last ``wandb_log``.
         self.train_metrics: dict[str, list[float]] = {}
+        # upstream's W&B buffers (``env.rollouts_for_wandb`` and friends read these): kept
+        # rollouts, completion lengths, eval metrics ``(name, value)`` queued by
+        # ``evaluate_log`` for the next log
+        self.rollouts_for_wandb: list[list[tuple[str, float]]] = []
+        self.completion_lengths: list[int] = []
+        self.eval_metrics: list[tuple[str, Any]] = []
+        self._evaluate_logged = False
 
     @property
     def active(self) -> bool:
@@ -130,20 +137,20 @@ class WandbLogging:
         num_keep = env.config.num_rollouts_per_group_for_logging
         tokens = scored_data["tokens"]
         num_keep = len(tokens) if num_keep == -1 else min(num_keep, len(tokens))
-        env.rollouts_for_wandb.append(
+        self.rollouts_for_wandb.append(
             [(env.tokenizer.decode(tokens[i]), scored_data["scores"][i]) for i in range(num_keep)]
         )
-        if len(env.rollouts_for_wandb) > env.config.num_rollouts_to_keep:
-            env.rollouts_for_wandb.pop(0)
+        if len(self.rollouts_for_wandb) > env.config.num_rollouts_to_keep:
+            self.rollouts_for_wandb.pop(0)
 
     def rollout_table(self, wandb_metrics: dict[str, Any]) -> dict[str, Any]:
         """``create_rollout_table``: add ``train/rollouts`` (text, score) when rollouts were
         kept."""
-        if self.env.rollouts_for_wandb:
+        if self.rollouts_for_wandb:
             import wandb
 
             table = wandb.Table(columns=["text", "score"])
-            for group in self.env.rollouts_for_wandb:
+            for group in self.rollouts_for_wandb:
                 for text, score in group:
                     table.add_data(text, score)
             wandb_metrics["train/rollouts"] = table
@@ -169,9 +176,9 @@ class WandbLogging:
 
     def _completion_length_stats(self, wandb_metrics: dict[str, Any]) -> None:
         env = self.env
-        if not env.completion_lengths:
+        if not self.completion_lengths:
             return
-        lengths = [float(x) for x in env.completion_lengths]
+        lengths = [float(x) for x in self.completion_lengths]
         mean = sum(lengths) / len(lengths)
         wandb_metrics["train/completion_lengths"] = mean
         wandb_metrics["train/completion_lengths_std"] = math.sqrt(
@@ -197,9 +204,9 @@ class WandbLogging:
                 wandb_metrics.setdefault(name, sum(values) / len(values))
         self.train_metrics = {}
         # the newest value of each queued eval metric (two evals between logs: the second's)
-        for name, value in dict(env.eval_metrics).items():
+        for name, value in dict(self.eval_metrics).items():
             wandb_metrics.setdefault(name, value)
-        env.eval_metrics = []
+        self.eval_metrics = []
         server_metrics: dict[str, Any] = {}
         for i, server in enumerate(env.server.servers):
             metrics_fn = getattr(server, "wandb_metrics", None)
@@ -209,8 +216,8 @@ class WandbLogging:
         if self.active:
             wandb_metrics = await env.create_rollout_table(wandb_metrics)
         wandb_metrics = env.perf_stats(wandb_metrics)
-        env.rollouts_for_wandb = []
-        env.completion_lengths = []
+        self.rollouts_for_wandb = []
+        self.completion_lengths = []
         if self.active:
             if env.wandb_prepend is not None:
                 wandb_metrics = {f"{env.wandb_prepend}_{k}": v for k, v in wandb_metrics.items()}
