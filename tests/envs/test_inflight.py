@@ -61,9 +61,9 @@ def fake_env(max_workers: int = 8) -> Any:
     async def get_next_item() -> int:
         return next(items)
 
+    # the serve loop owns its rollouts (workers, running_items, backlog); the env only reads
     env = SimpleNamespace(
         max_num_workers=max_workers,
-        eval_runner=None,
         config=SimpleNamespace(
             batch_size=BATCH,
             group_size=GROUP,
@@ -76,10 +76,6 @@ def fake_env(max_workers: int = 8) -> Any:
         curr_step=0,
         _sent_since_status=0,
         derived_batch_size=BATCH,
-        workers=set(),
-        running_items={},
-        backlog=[],
-        workers_added_list=[],
         groups_sent=0,
         get_next_item=get_next_item,
     )
@@ -107,8 +103,8 @@ async def test_rollouts_in_flight_follow_the_acceptance_rate() -> None:
     loop = await started_loop(env, finished=25, sent=8)  # 32% accepted
     assert loop.acceptance == pytest.approx(0.32)
     await loop.add_train_workers()
-    assert len(env.workers) == 8  # ceil(4 / 0.32) = 13, bounded by max_num_workers
-    surplus = [e for e in env.running_items.values() if e["surplus"]]
+    assert len(loop.workers) == 8  # ceil(4 / 0.32) = 13, bounded by max_num_workers
+    surplus = [e for e in loop.running_items.values() if e["surplus"]]
     assert len(surplus) == 4  # beyond the plain cap of 4 missing groups
     await asyncio.sleep(0)
     # the queue fills (4 groups queued): the surplus not yet sending is cancelled, and its
@@ -116,12 +112,12 @@ async def test_rollouts_in_flight_follow_the_acceptance_rate() -> None:
     next(iter(surplus))["sending"] = True
     env.status_dict = {"current_step": 0, "queue_size": 4}
     loop._cancel_surplus()
-    assert len(env.workers) == 5
+    assert len(loop.workers) == 5
     assert loop.cancelled_surplus == 3
     assert sorted(item for item, _ in loop.retry_queue) == sorted(
         e["item"] for e in surplus if not e["sending"]
     )
-    for entry in list(env.running_items.values()):
+    for entry in list(loop.running_items.values()):
         entry["worker"].cancel()
     await asyncio.sleep(0)
 
@@ -130,12 +126,12 @@ async def test_without_drops_nothing_changes() -> None:
     env = fake_env(max_workers=8)
     loop = await started_loop(env, finished=10, sent=10)
     await loop.add_train_workers()
-    assert len(env.workers) == 4  # one rollout per missing group, as before
-    assert not any(e["surplus"] for e in env.running_items.values())
+    assert len(loop.workers) == 4  # one rollout per missing group, as before
+    assert not any(e["surplus"] for e in loop.running_items.values())
     env.status_dict = {"current_step": 0, "queue_size": 4}
     loop._cancel_surplus()
-    assert len(env.workers) == 4 and loop.cancelled_surplus == 0  # in-flight ones finish
-    for entry in list(env.running_items.values()):
+    assert len(loop.workers) == 4 and loop.cancelled_surplus == 0  # in-flight ones finish
+    for entry in list(loop.running_items.values()):
         entry["worker"].cancel()
     await asyncio.sleep(0)
 
@@ -149,6 +145,6 @@ async def test_cancelled_surplus_does_not_count_as_a_finished_rollout() -> None:
     loop._cancel_surplus()
     await asyncio.sleep(0)  # the cancelled tasks' done callbacks run
     assert loop.acceptance == before
-    for entry in list(env.running_items.values()):
+    for entry in list(loop.running_items.values()):
         entry["worker"].cancel()
     await asyncio.sleep(0)
