@@ -24,7 +24,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EVAL_ITEM_LIMIT", "evaluate_log", "log_env_evaluation", "pass_at_k", "run_env_eval"]
+
+#: Set by a pinned evaluation (:mod:`.pinned_eval`) around ``env.evaluate()``: every metric
+#: ``evaluate_log`` logs in that context is also appended here, so the evaluation's result does
+#: not depend on ``env.eval_metrics``, which ``wandb_log`` empties whenever it logs.
+EVAL_CAPTURE: ContextVar[list[tuple[str, Any]] | None] = ContextVar(
+    "atropos_eval_capture", default=None
+)
+
+__all__ = [
+    "EVAL_CAPTURE",
+    "EVAL_ITEM_LIMIT",
+    "evaluate_log",
+    "log_env_evaluation",
+    "pass_at_k",
+    "run_env_eval",
+]
 
 #: When set, ``run_eval`` runs only the first N of its jobs (``check`` sets it, so that an
 #: env's evaluation is exercised without running its whole held-out set).
@@ -134,7 +149,11 @@ def log_env_evaluation(
         )
     # logged to W&B by the next ``wandb_log`` (once; envs that also queue the same keys in
     # ``eval_metrics`` overwrite them, they are not logged twice)
-    env.eval_metrics.extend((k, v) for k, v in metrics.items() if isinstance(v, (int, float)))
+    logged = [(k, v) for k, v in metrics.items() if isinstance(v, (int, float))]
+    env.eval_metrics.extend(logged)
+    captured = EVAL_CAPTURE.get()
+    if captured is not None:  # a pinned evaluation collects its own result
+        captured.extend(logged)
 
 
 async def run_env_eval(

@@ -25,6 +25,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from atroposlib.envs.eval import EVAL_CAPTURE
+
 if TYPE_CHECKING:
     from atroposlib.envs.base import BaseEnv
 
@@ -112,12 +114,22 @@ async def _evaluate_at(env: BaseEnv, request: dict[str, Any], version: int) -> d
         await asyncio.sleep(0.5)
 
     started = time.monotonic()
-    first = len(env.eval_metrics)
+    # what evaluate() logs through evaluate_log is captured; an env that appends to
+    # self.eval_metrics itself is read from that buffer (the list as it was when the evaluation
+    # started, plus a new one if wandb_log emptied it meanwhile)
+    captured: list[tuple[str, Any]] = []
+    buffer, first = env.eval_metrics, len(env.eval_metrics)
+    token = EVAL_CAPTURE.set(captured)
     try:
         await env.evaluate()
     except Exception as exc:  # noqa: BLE001 - reported to the trainer, not raised in the loop
         logger.error("evaluate() failed", exc_info=True)
         return _report(request, env, "failed", reason=f"evaluate() raised {exc!r}")
+    finally:
+        EVAL_CAPTURE.reset(token)
+    logged = captured or buffer[first:] + (
+        [] if env.eval_metrics is buffer else list(env.eval_metrics)
+    )
     seconds = time.monotonic() - started
     after = await server_versions(env, fresh=True)
     if any(v != version for v in after):
@@ -128,7 +140,7 @@ async def _evaluate_at(env: BaseEnv, request: dict[str, Any], version: int) -> d
         )  # fmt: skip
     metrics = {
         str(k): float(v)
-        for k, v in env.eval_metrics[first:]
+        for k, v in logged
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     }
     if not metrics:

@@ -87,3 +87,28 @@ def test_defaults_live_on_the_config_class() -> None:
     assert again[0] is not servers[0]  # a fresh copy each time
     # an env without default_server_configs keeps upstream's ServerBaseline
     assert isinstance(BaseEnv.config_init()[1], ServerBaseline)
+
+
+class FlushingEnv(QuietEnv):
+    """Its evaluation straddles a ``wandb_log``, which empties ``eval_metrics``."""
+
+    async def evaluate(self, *args, **kwargs):
+        await self.evaluate_log({"eval/first": 1.0})
+        self._wandb_logging.eval_metrics = []  # what wandb_log does once it has logged them
+        await self.evaluate_log({"eval/second": 2.0})
+
+
+async def test_a_pinned_evaluation_keeps_its_result_when_wandb_log_flushes_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from atroposlib.envs import pinned_eval
+
+    async def versions(env, fresh: bool = False):
+        return [3]
+
+    monkeypatch.setattr(pinned_eval, "server_versions", versions)
+    env = FlushingEnv(*QuietEnv.config_init())
+    env.eval_metrics = [("eval/older", 0.5)]  # queued before the evaluation started
+    report = await pinned_eval._evaluate_at(env, {"request_id": "r", "policy_version": 3}, 3)
+    assert report["status"] == "done"
+    assert report["metrics"] == {"eval/first": 1.0, "eval/second": 2.0}
