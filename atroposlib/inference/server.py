@@ -459,7 +459,7 @@ def create_app(state: ServerState) -> FastAPI:
         """vLLM's tokens-in, tokens-out endpoint (``/inference/v1/generate``).
 
         Answers ``{"request_id", "prompt_token_ids", "choices": [{"index", "token_ids",
-        "logprobs": {"content": [{"token": "token_id:N", "logprob", "top_logprobs"}]},
+        "logprobs": {"content": [{"token": "token_id:N", "logprob", "bytes", "top_logprobs"}]},
         "finish_reason", "stop_reason"}], "usage"}``; ``logprobs`` is ``null`` unless
         ``sampling_params.logprobs`` is set (verifiers' renderer client always sets it).
         """
@@ -483,23 +483,11 @@ def create_app(state: ServerState) -> FastAPI:
         outputs = (await _wait(request, [handle]))[0]
         choices = []
         for out in outputs:
-            logprobs = None
-            if sampling.logprobs is not None:
-                content = []
-                for i, (token_id, logprob) in enumerate(
-                    zip(out.token_ids, out.logprobs, strict=True)
-                ):
-                    top = out.top_logprobs[i] if i < len(out.top_logprobs) else []
-                    content.append(
-                        {
-                            "token": f"token_id:{token_id}",
-                            "logprob": logprob,
-                            "top_logprobs": [
-                                {"token": f"token_id:{tid}", "logprob": value} for tid, value in top
-                            ],
-                        }
-                    )
-                logprobs = {"content": content}
+            logprobs = (
+                _chat_logprobs(state, out.token_ids, out.logprobs, out.top_logprobs, as_ids=True)
+                if sampling.logprobs is not None
+                else None
+            )
             choices.append(
                 {
                     "index": out.index,
