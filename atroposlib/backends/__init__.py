@@ -32,6 +32,7 @@ from atroposlib.backends.registry import (
     WeightSyncUnsupported,
     get_backend,
     gives_token_ids,
+    serves_token_generate,
     sync_weights,
     weight_sync_client,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "auth_headers",
     "get_backend",
     "gives_token_ids",
+    "serves_token_generate",
     "plugin_env",
     "server_policy_version",
     "sync_weights",

@@ -43,6 +43,7 @@ __all__ = [
     "WeightSyncUnsupported",
     "get_backend",
     "gives_token_ids",
+    "serves_token_generate",
     "sync_weights",
     "weight_sync_client",
 ]
@@ -422,10 +423,25 @@ def get_backend(name: str | Backend) -> Backend:
         ) from None
 
 
+#: ``--openai.server_type`` values that name another's client (``atropos-serve`` is ``vllm``).
+SERVER_TYPE_ALIASES = {"atropos-serve": "vllm"}
+
+
+def _backends_of(server_type: str) -> list[Backend]:
+    server_type = SERVER_TYPE_ALIASES.get(server_type, server_type)
+    return [b for b in BACKENDS.values() if b.server_type == server_type]
+
+
 def gives_token_ids(server_type: str) -> bool:
     """Whether environments get exact token ids from a server of ``server_type`` (an
     ``--openai.server_type``: every backend's but a plain OpenAI endpoint's)."""
-    return any(b.token_ids and b.server_type == server_type for b in BACKENDS.values())
+    return any(b.token_ids for b in _backends_of(server_type))
+
+
+def serves_token_generate(server_type: str) -> bool:
+    """Whether a server of ``server_type`` (an ``--openai.server_type``) serves vLLM's
+    ``POST /inference/v1/generate`` (:attr:`Backend.token_generate`)."""
+    return any(b.token_generate for b in _backends_of(server_type))
 
 
 def weight_sync_client(

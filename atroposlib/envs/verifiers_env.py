@@ -313,13 +313,11 @@ class VerifiersEnv(BaseEnv):
 
     def _check_servers(self) -> None:
         """Refuse servers verifiers' training client cannot use (it needs token ids)."""
-        from atroposlib.backends.registry import BACKENDS
+        from atroposlib.backends.registry import serves_token_generate
 
         for server in self.server.servers:
             server_type = getattr(server.config, "server_type", "openai")
-            if not any(
-                b.token_generate and b.server_type == server_type for b in BACKENDS.values()
-            ):
+            if not serves_token_generate(server_type):
                 raise ValueError(
                     f"--openai.server_type {server_type}: VerifiersEnv needs a server with "
                     "vLLM's tokens-in/tokens-out POST /inference/v1/generate (atropos-serve or "

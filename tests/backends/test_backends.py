@@ -296,3 +296,15 @@ def test_a_tied_head_on_a_cpu_vllm_is_warned_about(
     with caplog.at_level("WARNING", logger="atroposlib.backends.weight_sync"):
         untied.sync(_checkpoint(tmp_path / "untied"), policy_version=3)
     assert not [r for r in caplog.records if "keeps the old output layer" in r.message]
+
+
+def test_what_each_server_type_gives_environments() -> None:
+    from atroposlib.backends import gives_token_ids, serves_token_generate
+
+    # atropos-serve is an alias of the vllm client: the same answers
+    assert [gives_token_ids(t) for t in ("vllm", "atropos-serve", "trl", "sglang", "openai")] == [
+        True, True, True, True, False,
+    ]  # fmt: skip
+    assert [
+        serves_token_generate(t) for t in ("vllm", "atropos-serve", "trl", "sglang", "openai")
+    ] == [True, True, False, False, False]
