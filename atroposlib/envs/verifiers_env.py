@@ -41,8 +41,7 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,16 +347,6 @@ class VerifiersEnv(BaseEnv):
         self.iter += 1
         return {"task": index}
 
-    @asynccontextmanager
-    async def _server_slot(self, training: bool) -> AsyncIterator[tuple[int, Any]]:
-        """One train (or eval) slot of the most available server for an episode."""
-        manager = self.server
-        await manager.wait_for_sem(training)
-        index = manager._most_available_index(training)
-        server = manager.servers[index]
-        async with server.sem if training else server.eval_sem:
-            yield index, server
-
     async def play(self, task: Any, temperature: float, training: bool = True) -> Any:
         """One verifiers episode of ``task`` on the most available server, stamped with the
         policy versions it spanned."""
@@ -366,7 +355,8 @@ class VerifiersEnv(BaseEnv):
         from verifiers.v1.configs.client import TrainClientConfig
         from verifiers.v1.episode import PolicySpan, TrainRunInfo, TrainWorkInfo
 
-        async with self._server_slot(training) as (index, server):
+        async with self.server.dedicated_server("train" if training else "eval") as server:
+            index = self.server.servers.index(server)
             tracker = server._policy_tracker()
             start = await tracker.current()
             client = TrainClientConfig(

@@ -328,10 +328,14 @@ class ServerManager:
         return await self._route("get_logprobs", kwargs)
 
     @asynccontextmanager
-    async def dedicated_server(self) -> AsyncIterator[Any]:
-        """Hold one training slot of the most available server for the block."""
-        server = self.servers[self._most_available_index(True)]
-        async with server.sem:
+    async def dedicated_server(self, split: str = "train") -> AsyncIterator[Any]:
+        """Hold one slot of the most available server for the block: a training slot, or an
+        eval slot with ``split="eval"`` (chosen as requests are routed: once some server has
+        a free slot of that kind)."""
+        is_training = split == "train"
+        await self.wait_for_sem(is_training)
+        server = self.servers[self._most_available_index(is_training)]
+        async with server.sem if is_training else server.eval_sem:
             yield server
 
     def _select_for_session(self, base_url: str | None, session_id: str | None) -> Any:

@@ -242,6 +242,10 @@ async def test_dedicated_server_holds_a_slot() -> None:
     async with manager.dedicated_server() as server:
         assert server is manager.servers[0] and server.sem._value == 1
     assert manager.servers[0].sem._value == 2
+    evals = manager.servers[0].eval_sem._value
+    async with manager.dedicated_server("eval") as server:
+        assert server.eval_sem._value == evals - 1 and server.sem._value == 2
+    assert server.eval_sem._value == evals
 
 
 async def test_managed_server_for_openai_needs_opt_in(monkeypatch) -> None:
