@@ -77,6 +77,7 @@ from atroposlib.envs.rollout import (
     ChatSession,
     group_from_trajectories,
     log_reward_terms,
+    reward_term_values,
     weighted_reward,
 )
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
@@ -671,10 +672,8 @@ class EnvironmentClassEnv(BaseEnv):
             "eval/tool_failures": sum(s["tool_failures"] for s in samples) / n,
             "eval/turns": sum(s["turns"] for s in samples) / n,
         }
-        for name, _, _ in self.terms:
-            values = [s["terms"][name] for s in samples if name in s["terms"]]
-            if values:
-                out[f"eval/{name}"] = sum(values) / len(values)
+        for name, values in reward_term_values([s["terms"] for s in samples]).items():
+            out[f"eval/{name}"] = sum(values) / len(values)
         return out
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:

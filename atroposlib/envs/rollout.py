@@ -42,6 +42,7 @@ __all__ = [
     "apply_length_penalty",
     "eval_completion",
     "log_reward_terms",
+    "reward_term_values",
     "weighted_reward",
     "group_from_samples",
     "group_from_trajectories",
@@ -268,22 +269,27 @@ def weighted_reward(
     return sum(parts) if parts else None
 
 
+def reward_term_values(
+    per_sample: Sequence[Mapping[str, float | None]],
+) -> dict[str, list[float]]:
+    """Each reward term's values over the samples it scored (None and NaN left out), terms in
+    the order they first appear; a term no sample scored is absent."""
+    values: dict[str, list[float]] = {}
+    for terms in per_sample:
+        for name, value in terms.items():
+            bucket = values.setdefault(name, [])
+            if value is not None and not math.isnan(float(value)):
+                bucket.append(float(value))
+    return {name: v for name, v in values.items() if v}
+
+
 def log_reward_terms(
     env: Any, prefix: str, per_sample: Sequence[Mapping[str, float | None]]
 ) -> None:
     """One metric per reward term, ``<prefix>/<term>``: the mean (unweighted) of the samples
     the term scored, through ``env.log_train_metric``."""
-    names: dict[str, None] = {}
-    for terms in per_sample:
-        names.update(dict.fromkeys(terms))
-    for name in names:
-        values = [
-            float(t[name])
-            for t in per_sample
-            if t.get(name) is not None and not math.isnan(float(t[name]))
-        ]
-        if values:
-            env.log_train_metric(f"{prefix}/{name}", values)
+    for name, values in reward_term_values(per_sample).items():
+        env.log_train_metric(f"{prefix}/{name}", values)
 
 
 def apply_length_penalty(

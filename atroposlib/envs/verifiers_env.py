@@ -49,7 +49,11 @@ from pydantic import Field
 
 from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
-from atroposlib.envs.rollout import group_from_trajectories, log_reward_terms
+from atroposlib.envs.rollout import (
+    group_from_trajectories,
+    log_reward_terms,
+    reward_term_values,
+)
 from atroposlib.envs.server_handling.server_baseline import local_server_configs
 from atroposlib.envs.tokenizers import resolve_tokenizer_name
 from atroposlib.utils.cli import merge_dicts
@@ -453,11 +457,7 @@ class VerifiersEnv(BaseEnv):
             "eval/turns": sum(s["turns"] for s in samples) / n,
             "eval/failed_rate": sum(s["failed"] for s in samples) / n,
         }
-        terms: dict[str, list[float]] = {}
-        for sample in samples:
-            for name, value in sample["terms"].items():
-                terms.setdefault(name, []).append(value)
-        for name, values in terms.items():
+        for name, values in reward_term_values([s["terms"] for s in samples]).items():
             out.setdefault(f"eval/{name}", sum(values) / len(values))
         return out
 
