@@ -352,10 +352,13 @@ class DatasetEnv(BaseEnv):
                 out[name] = 0.0
         return out
 
+    def weighted(self, breakdown: dict[str, float]) -> float:
+        """The weighted reward of one completion's :meth:`reward_breakdown`."""
+        return float(weighted_reward(breakdown, {n: w for n, _, w, _ in self.rewards}) or 0.0)
+
     def score_text(self, completion: str, row: dict[str, Any]) -> float:
         """The weighted reward of one completion."""
-        raw = self.reward_breakdown(completion, row)
-        return float(weighted_reward(raw, {name: w for name, _, w, _ in self.rewards}) or 0.0)
+        return self.weighted(self.reward_breakdown(completion, row))
 
     @property
     def max_reward(self) -> float:
@@ -367,12 +370,9 @@ class DatasetEnv(BaseEnv):
         kept = [s for s in samples if s.trainable_tokens >= self.config.min_completion_tokens]
         if not kept:
             return None
-        weights = {name: w for name, _, w, _ in self.rewards}
         terms = [self.reward_breakdown(s.text, row) for s in kept]
         group = group_from_samples(
-            kept,
-            [float(weighted_reward(t, weights) or 0.0) for t in terms],
-            group_size=self.config.group_size,
+            kept, [self.weighted(t) for t in terms], group_size=self.config.group_size
         )
         self.log_train_metric("train/mean_score", group["scores"])
         log_reward_terms(self, "train", terms)
@@ -411,7 +411,7 @@ class DatasetEnv(BaseEnv):
         return {
             "messages": [*messages, {"role": "assistant", "content": text}],
             "gold_answer": None if not field else str(row.get(field)),
-            "score": float(sum(w * breakdown[n] for n, _, w, _ in self.rewards)),
+            "score": self.weighted(breakdown),
             "rewards": breakdown,
             "correct": breakdown[self.rewards[0][0]] > 0,
             "finish_reason": finish,
