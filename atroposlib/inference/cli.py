@@ -121,6 +121,13 @@ class ServeSettings(BaseModel):
         "compiler; the first start compiles for 2-3 minutes (later starts reuse torch's "
         "on-disk cache).",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Keep the key/value cache of prompt beginnings that requests share (a "
+        "system prompt, few-shot examples) and reuse it for later prompts that start the same "
+        "way (vLLM's flag; up to 8 prefixes, 256 MiB, dropped when the weights change). "
+        "Outputs are the same either way.",
+    )
     policy_version: int = Field(
         0,
         ge=0,
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         max_waiting=args.max_queue,
         max_model_len=args.max_model_len,
         compile=args.compile,
+        prefix_cache_entries=8 if args.enable_prefix_caching else 0,
         threads=threads,
         logprobs_mode=args.logprobs_mode,
         cache_memory=cache_budget(args.max_cache_memory, next(loaded.model.parameters()).device),

@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from atroposlib.inference import fastpath
-from atroposlib.inference.fastpath.attention import HEADROOM
+from atroposlib.inference.fastpath.attention import (
+    HEADROOM,
+    select_rows,
+    stacked_append_cache,
+)
+from atroposlib.inference.prefix_cache import PrefixCache, common_prefix_len
 from atroposlib.inference.sampling import (
     LOGPROBS_MODES,
     InvalidParamError,
@@ -305,6 +310,7 @@ class GenerationEngine:
         prefill_token_budget: int = 2048,
         max_logprobs: int = 20,
         min_shared_prefix: int = 16,
+        prefix_cache_entries: int = 8,
         compile: bool = False,
         fast_decode: bool = True,
         lean_decode: bool = True,
@@ -323,6 +329,11 @@ class GenerationEngine:
         self.max_logprobs = max_logprobs
         self.prefill_token_budget = prefill_token_budget
         self.min_shared_prefix = min_shared_prefix
+        self.prefix_cache = PrefixCache(
+            max_entries=prefix_cache_entries, min_tokens=min_shared_prefix
+        )
+        """Keys and values of prompt beginnings that earlier requests shared, reused by later
+        ones (vLLM's automatic prefix caching); emptied when the weights change."""
         self.compiled = compile
         self.fast_decode = fast_decode
         self._fast_options = fastpath.FastPathOptions(
@@ -375,9 +386,12 @@ class GenerationEngine:
             "requests": 0,
             "steps": 0,
             "shared_prefix_tokens_saved": 0,
+            "prefix_cache_hits": 0,
+            "prefix_cache_tokens_reused": 0,
             "memory_waits": 0,
         }
         self._memory_blocked: RequestHandle | None = None
+        self._prefix_reset = False
 
     @staticmethod
     def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -517,6 +531,12 @@ class GenerationEngine:
             self._pause_futures = []
             self._cond.notify()
         return was
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (vLLM's ``reset_prefix_cache``), before the next
+        prefill; the weights changing does this by itself."""
+        with self._cond:
+            self._prefix_reset = True
 
     @property
     def paused(self) -> bool:
@@ -703,6 +723,9 @@ class GenerationEngine:
                     if self._stopped:
                         break
                     self._swap_weights_if_drained()
+                    if self._prefix_reset:
+                        self.prefix_cache.clear()
+                        self._prefix_reset = False
                     admitted = self._admit()
                     mode = self._pause_mode
                 try:
@@ -762,6 +785,7 @@ class GenerationEngine:
             if self._keep_outgoing:
                 kept = outgoing
         self.weights_version += 1
+        self.prefix_cache.clear()  # its keys and values came from the old weights
         self._pending_reload = None
         info = ReloadInfo(
             weights_version=self.weights_version,
@@ -892,43 +916,68 @@ class GenerationEngine:
         return tokens, logprobs
 
     def _shared_prefix_len(self, handles: list[RequestHandle]) -> int:
-        """Length of the token prefix every prompt shares (a system prompt, few-shot examples),
-        leaving each prompt at least one token of its own; 0 when sharing is not worth it."""
-        if len(handles) < 2 or handles[0].params.prompt_logprobs is not None:
+        """Length of the token prefix to run once for all of ``handles`` (a system prompt,
+        few-shot examples), leaving each prompt at least one token of its own; 0 when sharing
+        is not worth it. Several prompts: the beginning they all share. One prompt: the
+        beginning it shares with a cached prefix or a recent prompt, so that it is kept for
+        the next ones (:class:`~atroposlib.inference.prefix_cache.PrefixCache`)."""
+        if handles[0].params.prompt_logprobs is not None:
             return 0
         first = handles[0].prompt_ids
         shared = min(len(h.prompt_ids) for h in handles) - 1
         for handle in handles[1:]:
-            ids = handle.prompt_ids
-            i = 0
-            while i < shared and ids[i] == first[i]:
-                i += 1
-            shared = i
+            shared = common_prefix_len(first, handle.prompt_ids, shared)
             if shared < self.min_shared_prefix:
                 return 0
-        return shared
+        if len(handles) == 1:
+            shared = self.prefix_cache.known_length(first, shared)
+        return shared if shared >= self.min_shared_prefix else 0
 
-    def _prefill_rows(
-        self, handles: list[RequestHandle]
-    ) -> tuple[DynamicCache, torch.Tensor, list[_Sequence], torch.Tensor, torch.Tensor]:
-        """Prefill ``handles`` and sample their first tokens, without touching the running
-        batch: returns the new rows' cache, mask, sequences, tokens and log-probs to merge."""
-        # A prefix common to every prompt is run once and its KV cache shared by all rows: the
-        # rows then hold [prefix | padding | own suffix], which the attention mask and explicit
-        # positions make exact (padding columns are masked out, positions skip them).
-        shared = self._shared_prefix_len(handles)
-        cache = self._fast.new_cache()
-        prefix_mask = torch.ones((len(handles), shared), dtype=torch.long)
-        if shared:
-            prefix = torch.tensor([handles[0].prompt_ids[:shared]], dtype=torch.long)
+    def _prefix_cache(self, prompt: list[int], shared: int) -> DynamicCache:
+        """A batch-of-one cache holding the keys and values of ``prompt[:shared]``: what the
+        prefix cache has of it, the rest computed now (and then kept for later prompts)."""
+        reused, layers = self.prefix_cache.lookup(prompt, shared)
+        cache = self._fast.prefill_cache(layers) if layers is not None else self._fast.new_cache()
+        if reused:
+            self.stats["prefix_cache_hits"] += 1
+            self.stats["prefix_cache_tokens_reused"] += reused
+        if shared > reused:
+            prefix = torch.tensor([prompt[reused:shared]], dtype=torch.long)
             self.model(
                 input_ids=prefix.to(self.device),
                 **cache_kwargs(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )
+            if self.prefix_cache.enabled:
+                self.prefix_cache.store(
+                    prompt[:shared],
+                    [
+                        (x.keys[:, :, :shared].clone(), x.values[:, :, :shared].clone())
+                        for x in cache.layers
+                    ],
+                )
+        return cache
+
+    def _prefill_rows(
+        self, handles: list[RequestHandle]
+    ) -> tuple[DynamicCache, torch.Tensor, list[_Sequence], torch.Tensor, torch.Tensor]:
+        """Prefill ``handles`` and sample their first tokens, without touching the running
+        batch: returns the new rows' cache, mask, sequences, tokens and log-probs to merge."""
+        # A prefix common to every prompt is run once (or taken from the prefix cache) and its
+        # KV cache shared by all rows: the rows then hold [prefix | padding | own suffix],
+        # which the attention mask and explicit positions make exact (padding columns are
+        # masked out, positions skip them).
+        shared = self._shared_prefix_len(handles)
+        cache = self._fast.new_cache()
+        prefix_mask = torch.ones((len(handles), shared), dtype=torch.long)
+        if shared:
+            cache = self._prefix_cache(handles[0].prompt_ids, shared)
             cache.batch_repeat_interleave(len(handles))
             self.stats["shared_prefix_tokens_saved"] += shared * (len(handles) - 1)
+        for handle in handles:
+            if handle.params.prompt_logprobs is None:
+                self.prefix_cache.remember(handle.prompt_ids)
         width = max(len(h.prompt_ids) for h in handles) - shared
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
@@ -1003,6 +1052,17 @@ class GenerationEngine:
             pad = [0, 0] * (dim_from_end - 1) + [missing, 0]
             return F.pad(t, pad)
 
+        if self._fast.append_cache:
+            self._cache = stacked_append_cache(
+                [
+                    [(x.keys, x.values) for x in self._cache.layers],
+                    [(x.keys, x.values) for x in cache.layers],
+                ],
+                width,
+            )
+            self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
+            self._running = self._running + sequences
+            return
         layers = []
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
@@ -1153,10 +1213,15 @@ class GenerationEngine:
         else:
             assert self._cache is not None and self._mask is not None
             index = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
-            self._cache.batch_select_indices(index)
             mask = self._mask[index]
             # Columns of padding that no remaining row needs are cut off the left edge.
             leading = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+            if self._fast.append_cache:
+                select_rows(self._cache, index.to(self.device), leading)
+                mask = mask[:, leading:]
+                leading = 0
+            else:
+                self._cache.batch_select_indices(index)
             if leading:
                 mask = mask[:, leading:]
                 for layer in self._cache.layers:

@@ -202,3 +202,67 @@ def test_a_request_that_fails_to_sample_fails_alone(
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_prefix_cache_reuses_a_shared_beginning_across_requests(
+    tiny_model_dir: Path, tiny_model_dir_b: Path
+) -> None:
+    """Requests that arrive one at a time (an evaluation, a GRPO env's groups) share a system
+    prompt: the second computes it once more and keeps it, later ones reuse it. Outputs are
+    those of the prompt run alone; after a weight swap the kept keys/values are not used."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    system = "You are a calculator. Reply with only the final integer answer. " * 3
+    questions = ("What is 2+2?", "What is 17-3?", "What is 7+9?", "What is 10-1?")
+    prompts = [tokenizer(system + q, add_special_tokens=False)["input_ids"] for q in questions]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def one_by_one(
+        engine_kwargs: dict, swap_to: Path | None = None, model_dir: Path = tiny_model_dir
+    ) -> tuple[list, dict]:
+        loaded = load_model(str(model_dir), "float32")
+
+        async def run() -> tuple[list, dict]:
+            kwargs = {k: v for k, v in engine_kwargs.items() if k != "reset"}
+            engine = GenerationEngine(loaded.model, loaded.tokenizer, **kwargs).start()
+            try:
+                outs = [(await engine.submit(p, params).result())[0] for p in prompts]
+                if engine_kwargs.get("reset"):
+                    engine.reset_prefix_cache()
+                    hits = engine.stats["prefix_cache_hits"]
+                    outs.append((await engine.submit(prompts[0], params).result())[0])
+                    assert engine.stats["prefix_cache_hits"] == hits  # recomputed
+                    assert len(engine.prefix_cache) == 1  # and kept again
+                if swap_to is not None:
+                    other = load_model(str(swap_to), "float32").model
+                    await asyncio.wrap_future(engine.request_reload(other))
+                    assert len(engine.prefix_cache) == 0
+                    outs += [(await engine.submit(p, params).result())[0] for p in prompts]
+                return outs, dict(engine.stats)
+            finally:
+                engine.shutdown()
+
+        return asyncio.run(run())
+
+    cached, stats = one_by_one({"reset": True})
+    assert cached[-1].token_ids == cached[0].token_ids
+    cached = cached[: len(prompts)]
+    # the 1st prompt is only remembered, the 2nd computes the shared part and keeps it
+    assert stats["prefix_cache_hits"] == len(prompts) - 2
+    assert stats["prefix_cache_tokens_reused"] >= (len(prompts) - 2) * 16
+    plain, stats = one_by_one({"prefix_cache_entries": 0})
+    assert stats["prefix_cache_hits"] == 0
+    for a, b in zip(cached, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x - y) < 1e-4
+
+    swapped, stats = one_by_one({}, swap_to=tiny_model_dir_b)
+    # after the swap: the 1st prompt recomputes (the cache was emptied), the rest reuse again
+    assert stats["prefix_cache_hits"] == (len(prompts) - 2) + (len(prompts) - 1)
+    alone_b, _ = one_by_one({"prefix_cache_entries": 0}, model_dir=tiny_model_dir_b)
+    for a, b in zip(swapped[len(prompts) :], alone_b, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x - y) < 1e-3

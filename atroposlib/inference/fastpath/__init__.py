@@ -74,6 +74,13 @@ class PreparedModel:
         """An empty cache for a forward pass (prefill) to fill."""
         return append_cache() if self.append_cache else DynamicCache()
 
+    def prefill_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        """A cache holding ``(keys, values)`` per layer that a forward pass (prefill) extends;
+        the given tensors are never written (the first update copies them)."""
+        if self.append_cache:
+            return append_cache(layers)
+        return DynamicCache(ddp_cache_data=layers)
+
     def batch_cache(
         self, source: DynamicCache | list[tuple[torch.Tensor, torch.Tensor]]
     ) -> DynamicCache:

@@ -175,3 +175,59 @@ def append_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None) 
         layer.keys, layer.values = keys, values
         cache.layers.append(layer)
     return cache
+
+
+def _buffered_layer(
+    key_buffer: torch.Tensor, value_buffer: torch.Tensor, width: int
+) -> AppendLayer:
+    """An :class:`AppendLayer` over buffers whose first ``width`` positions are filled: the
+    next token is written in place."""
+    layer = AppendLayer()
+    keys, values = key_buffer[:, :, :width], value_buffer[:, :, :width]
+    layer.lazy_initialization(keys, values)
+    layer._key_buffer, layer._value_buffer = key_buffer, value_buffer
+    layer.keys = layer._key_view = keys
+    layer.values = values
+    return layer
+
+
+def stacked_append_cache(
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int
+) -> DynamicCache:
+    """One append cache whose rows are those of ``parts`` (each a list of ``(keys, values)``
+    per layer), in order, each right-aligned to ``width`` positions with zeros on the left
+    (masked padding must be finite), with :data:`HEADROOM` spare positions: one copy of every
+    row, where concatenating and re-buffering made two."""
+    cache = DynamicCache()
+    cache.layers = []
+    for per_part in zip(*parts, strict=True):
+        k0, v0 = per_part[0]
+        rows = sum(k.shape[0] for k, _ in per_part)
+        kbuf = k0.new_empty((rows, k0.shape[1], width + HEADROOM, k0.shape[3]))
+        vbuf = v0.new_empty((rows, v0.shape[1], width + HEADROOM, v0.shape[3]))
+        row = 0
+        for keys, values in per_part:
+            n, length = keys.shape[0], keys.shape[2]
+            if length < width:
+                kbuf[row : row + n, :, : width - length].zero_()
+                vbuf[row : row + n, :, : width - length].zero_()
+            kbuf[row : row + n, :, width - length : width].copy_(keys)
+            vbuf[row : row + n, :, width - length : width].copy_(values)
+            row += n
+        cache.layers.append(_buffered_layer(kbuf, vbuf, width))
+    return cache
+
+
+def select_rows(cache: DynamicCache, index: torch.Tensor, leading: int) -> None:
+    """Keep rows ``index`` of every layer of append cache ``cache`` and drop its first
+    ``leading`` positions, gathered straight into new buffers with :data:`HEADROOM` spare
+    positions (one copy; selecting, trimming and re-buffering made three)."""
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.keys, layer.values
+        width = keys.shape[2] - leading
+        shape = (len(index), keys.shape[1], width + HEADROOM, keys.shape[3])
+        kbuf = keys.new_empty(shape)
+        vbuf = values.new_empty(shape[:-1] + (values.shape[3],))
+        torch.index_select(keys[:, :, leading:], 0, index, out=kbuf[:, :, :width])
+        torch.index_select(values[:, :, leading:], 0, index, out=vbuf[:, :, :width])
+        cache.layers[i] = _buffered_layer(kbuf, vbuf, width)
