@@ -36,6 +36,8 @@ from typing import TypeVar
 import httpx
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # environments/ for "recipe"
+
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -106,7 +108,45 @@ async def run_requests(
 
 T = TypeVar("T")
 
-WORKLOADS = ("single", "sequential", "concurrent8", "group8", "concurrent32")
+
+async def run_recipe_groups(
+    client: openai.AsyncOpenAI, model: str, groups: int = 32, in_flight: int = 8
+) -> int:
+    """The arithmetic-learn recipe's load: ``groups`` GRPO groups of 16 replies to the env's
+    chat prompts (system prompt, 3 worked examples, a question: ~100 tokens), 6 tokens each
+    (``ignore_eos``, so every server does the same work), temperature 1, at most
+    ``in_flight`` groups at a time as an env's workers send them. Prefill-heavy."""
+    import random
+
+    from environments.arithmetic_server import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT
+
+    rng = random.Random(0)
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one() -> int:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for question, answer in FEW_SHOT_EXAMPLES:
+            messages += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+            ]
+        a, op, b = rng.randint(0, 20), rng.choice("+-"), rng.randint(0, 20)
+        messages.append({"role": "user", "content": f"What is {a} {op} {b}?"})
+        async with gate:
+            reply = await client.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=6,
+                n=16,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
+        return reply.usage.completion_tokens
+
+    return sum(await asyncio.gather(*(one() for _ in range(groups))))
+
+
+WORKLOADS = ("single", "sequential", "concurrent8", "group8", "concurrent32", "recipe")
 
 WORKLOAD_NAMES = {
     "single": "single stream",
@@ -114,6 +154,7 @@ WORKLOAD_NAMES = {
     "concurrent8": "8 concurrent requests",
     "group8": "1 request, n=8 (group)",
     "concurrent32": "32 concurrent requests",
+    "recipe": "arithmetic groups (n=16, 6 tok)",
 }
 
 
@@ -132,6 +173,8 @@ async def run_workload(client: openai.AsyncOpenAI, model: str, key: str, max_tok
         return await run_requests(client, model, 1, max_tokens, 8)
     if key == "concurrent32":
         return await run_requests(client, model, 32, max_tokens)
+    if key == "recipe":
+        return await run_recipe_groups(client, model)
     raise ValueError(f"unknown workload {key!r}")
 
 
@@ -256,6 +299,16 @@ def main() -> None:
         "--compile", action="store_true", help="Start atropos-serve with --compile."
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        help="Start atropos-serve with --threads N (match the other server's).",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="Start atropos-serve with --no-enable-prefix-caching.",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=1, help="Runs of each workload; the median is reported."
     )
     parser.add_argument(
@@ -290,6 +343,10 @@ def main() -> None:
     url = args.url
     if url is None:
         extra = ["--compile"] if args.compile else []
+        if args.threads:
+            extra += ["--threads", str(args.threads)]
+        if args.no_prefix_caching:
+            extra += ["--no-enable-prefix-caching"]
         proc, url, log = start_server(args.model, args.dtype, extra)
         print(
             f"atropos-serve {args.model} ({args.dtype}) {' '.join(extra)} at {url}, log {log.name}"
