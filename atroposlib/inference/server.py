@@ -520,11 +520,12 @@ def create_app(state: ServerState) -> FastAPI:
         ``mode``: ``abort`` (the default, as vLLM: requests generating now end with
         ``finish_reason`` "abort"), ``wait`` (they finish first) or ``keep`` (they freeze
         and continue after ``/resume``). vLLM's older ``wait_for_inflight_requests=true``
-        means ``wait``. New requests queue meanwhile. ``clear_cache`` is accepted for
-        compatibility: frozen rows keep their key/value cache, and there is no prefix cache
-        across requests to clear. Answers once the pause is in effect.
+        means ``wait``. New requests queue meanwhile. ``clear_cache`` (default true, as
+        vLLM) empties the prefix cache; frozen rows keep their own key/value cache. Answers
+        once the pause is in effect.
         """
-        del clear_cache
+        if clear_cache:
+            state.engine.reset_prefix_cache()
         chosen = mode or ("wait" if wait_for_inflight_requests else "abort")
         if chosen not in state.engine.PAUSE_MODES:
             raise APIError(
@@ -532,6 +533,12 @@ def create_app(state: ServerState) -> FastAPI:
             )
         seconds = await asyncio.wrap_future(state.engine.pause(chosen))
         return {"status": "paused", "mode": chosen, "seconds": round(seconds, 3)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, str]:
+        """Forget the cached prompt prefixes (vLLM's endpoint). New weights do this anyway."""
+        state.engine.reset_prefix_cache()
+        return {"status": "ok"}
 
     @app.post("/resume")
     async def resume() -> dict[str, Any]:
@@ -619,12 +626,18 @@ def create_app(state: ServerState) -> FastAPI:
             except (SegmentError, ValueError) as exc:
                 raise APIError(400, f"shm_path: {exc}", param="shm_path") from exc
             copy_seconds = prepare_seconds = 0.0
-            if state.engine.compiled:
-                # compiled graphs keep the served parameters: copy into them once drained
-                future = state.engine.request_update(tensors)
+            engine = state.engine
+            load = engine.load()
+            if engine.compiled or engine.paused or not (load["running"] or load["waiting"]):
+                # Nothing generating (a trainer paused generation, or no requests): copy into
+                # the served parameters and re-pack on the engine's own thread, with all its
+                # cores. Compiled graphs always keep the served parameters.
+                future = engine.request_update(tensors)
+                mode = "in_place"
             else:
-                # double buffer: fill the spare model and prepare its fast path while the
-                # current one serves, then swap (as /reload_weights, without from_pretrained)
+                # Sequences are generating: double buffer. Fill the spare model and prepare its
+                # fast path on this (single-threaded) loader thread while the current one
+                # serves, then swap (as /reload_weights, without from_pretrained).
                 spare, state.spare_model = state.spare_model, None
                 if spare is None:
                     spare = await _in_own_thread(load_weights, state.folder_source, state.dtype)
@@ -636,9 +649,11 @@ def create_app(state: ServerState) -> FastAPI:
                 except ValueError as exc:
                     release_model(spare)
                     raise APIError(400, f"shm_path: {exc}", param="shm_path") from exc
+                mode = "swap"
             info = await asyncio.wrap_future(future)
             del tensors  # the mapping closes with the last view
-            state.spare_model = info.outgoing
+            if info.outgoing is not None:  # (an update in place keeps the spare as it is)
+                state.spare_model = info.outgoing
             copy_seconds = copy_seconds or info.copy_seconds
             prepare_seconds = prepare_seconds or info.prepare_seconds
             state.model_source = f"shm:{body.shm_path}"
@@ -650,6 +665,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "model": state.served_model_names[0],
                 "path": body.shm_path,
                 "source": "shm",
+                "mode": mode,
                 "weights_version": info.weights_version,
                 "policy_version": state.policy_version,
                 "requested_at": requested,

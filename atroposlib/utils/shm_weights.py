@@ -148,7 +148,11 @@ def read_segment(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         size = os.fstat(fd).st_size
         if size < 8:
             raise SegmentError(f"{path} is not a weights segment ({size} bytes)")
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # MAP_POPULATE: the kernel maps every page now, in one call, instead of one page fault
+        # per 4 KiB on first read (131,000 faults for a 538 MB model, taken by the copying
+        # threads at once: most of a sync's time)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     (length,) = struct.unpack("<Q", mapped[:8])

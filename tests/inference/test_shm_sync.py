@@ -130,3 +130,56 @@ def test_tied_head_and_dtype_conversion_in_place(tiny_model_dir):
     assert torch.equal(served.lm_head.weight, trainer.lm_head.weight.to(torch.bfloat16))
     with pytest.raises(ValueError, match="missing"):
         GenerationEngine.check_update(fake, {"model.norm.weight": served.model.norm.weight})
+
+
+def test_sync_while_generating_swaps_a_filled_spare(shm_server, tiny_model_dir):
+    """Idle, new weights are copied in place on the engine's thread (``mode: in_place``); with
+    a sequence generating they fill a spare model that is swapped in once it finishes
+    (``mode: swap``): the running sequence completes on the old weights and the next request
+    runs on the new ones."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.backends import weight_sync_client
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    client = weight_sync_client("atropos-serve", shm_server.url)
+    client.attach(trainer)
+    try:
+        client.sync(None, policy_version=10)
+        assert client.last_reply["mode"] == "in_place"
+        long_reply: dict = {}
+
+        def generate_long() -> None:
+            reply = httpx.post(
+                shm_server.url + "/generate",
+                json={
+                    "prompt": {"prompt_token_ids": PROMPT_IDS},
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                timeout=300,
+            )
+            long_reply.update(status=reply.status_code, body=reply.json())
+
+        worker = threading.Thread(target=generate_long)
+        worker.start()
+        deadline = 50
+        while httpx.get(shm_server.url + "/health").json().get("running", 0) == 0 and deadline:
+            deadline -= 1
+            threading.Event().wait(0.1)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        client.sync(None, policy_version=11)
+        worker.join(300)
+        assert long_reply["status"] == 200
+        assert len(long_reply["body"]["token_ids"][0]) == 400
+        assert client.last_reply["mode"] == "swap"
+        ids, served = _greedy(shm_server.url)
+        trainer.eval()
+        assert served == pytest.approx(reference_logprobs(trainer, PROMPT_IDS, ids), abs=2e-3)
+    finally:
+        client.close()
