@@ -189,6 +189,16 @@ def test_example_trainer_barrier_logs_each_env_s_result_with_its_step(
     ).start()  # fmt: skip
     envs = [_start(api, server, tiny_model_dir, tmp_path, name) for name in ("alpha", "beta")]
     try:
+        # Both envs up and polling run-api before the trainer starts: an eval request expects
+        # the envs connected when it is made, and envs register only once a trainer has; under
+        # load a late-starting env missed step 2's request while the other fed the trainer.
+        deadline = time.monotonic() + 300
+        for name, proc in zip(("alpha", "beta"), envs, strict=True):
+            log = tmp_path / f"{name}.log"
+            while "Waiting to register the env" not in (log.read_text() if log.exists() else ""):
+                assert proc.poll() is None, f"env {name} exited with {proc.returncode}"
+                assert time.monotonic() < deadline, f"env {name} did not start"
+                time.sleep(0.2)
         trainer = subprocess.run(
             [
                 sys.executable,
