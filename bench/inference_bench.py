@@ -118,20 +118,14 @@ async def run_recipe_groups(
     ``in_flight`` groups at a time as an env's workers send them. Prefill-heavy."""
     import random
 
-    from environments.arithmetic_server import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT
+    from environments.arithmetic_server import chat_messages
 
     rng = random.Random(0)
     gate = asyncio.Semaphore(in_flight)
 
     async def one() -> int:
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-        for question, answer in FEW_SHOT_EXAMPLES:
-            messages += [
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": answer},
-            ]
         a, op, b = rng.randint(0, 20), rng.choice("+-"), rng.randint(0, 20)
-        messages.append({"role": "user", "content": f"What is {a} {op} {b}?"})
+        messages = chat_messages(f"What is {a} {op} {b}?")
         async with gate:
             reply = await client.chat.completions.create(
                 model=model,

@@ -45,16 +45,10 @@ LAYOUTS = ["before", "no-ckpt", "buckets", "trained", "shared", "skip", "packed"
 
 
 def _arithmetic_messages(rng):
-    from environments.arithmetic_server import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT
+    from environments.arithmetic_server import chat_messages
 
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-    for question, answer in FEW_SHOT_EXAMPLES:
-        messages += [
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": answer},
-        ]
     a, op, b = rng.randint(0, 20), rng.choice("+-"), rng.randint(0, 20)
-    return messages + [{"role": "user", "content": f"What is {a} {op} {b}?"}]
+    return chat_messages(f"What is {a} {op} {b}?")
 
 
 def _gsm8k_messages(rng):

@@ -50,6 +50,21 @@ FEW_SHOT_EXAMPLES = [("What is 7 + 5?", "12"), ("What is 3 - 9?", "-6"), ("What 
 """Worked examples shown before the question with ``few_shot`` > 0 (never asked themselves)."""
 
 
+def chat_messages(
+    question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = len(FEW_SHOT_EXAMPLES)
+) -> list[dict[str, str]]:
+    """The chat the env asks ``question`` in: the system prompt (if any), the first
+    ``few_shot`` worked examples as earlier turns, then the question."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    for example, answer in FEW_SHOT_EXAMPLES[:few_shot]:
+        messages.append({"role": "user", "content": example})
+        messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
 class ArithmeticEnvConfig(LocalEnvConfig):
     """Settings of the arithmetic environment."""
 
@@ -202,14 +217,7 @@ class ArithmeticEnv(BaseEnv):
                 return problem
 
     def _messages(self, question: str) -> list[dict[str, str]]:
-        messages = []
-        if self.config.system_prompt:
-            messages.append({"role": "system", "content": self.config.system_prompt})
-        for example, answer in FEW_SHOT_EXAMPLES[: self.config.few_shot]:
-            messages.append({"role": "user", "content": example})
-            messages.append({"role": "assistant", "content": answer})
-        messages.append({"role": "user", "content": question})
-        return messages
+        return chat_messages(question, self.config.system_prompt, self.config.few_shot)
 
     def _score(self, text: str, answer: int, reply_tokens: int) -> float:
         cfg = self.config
