@@ -1052,23 +1052,16 @@ class GenerationEngine:
             pad = [0, 0] * (dim_from_end - 1) + [missing, 0]
             return F.pad(t, pad)
 
-        if self._fast.append_cache:
-            self._cache = stacked_append_cache(
-                [
-                    [(x.keys, x.values) for x in self._cache.layers],
-                    [(x.keys, x.values) for x in cache.layers],
-                ],
-                width,
-            )
-            self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
-            self._running = self._running + sequences
-            return
-        layers = []
-        for old, new in zip(self._cache.layers, cache.layers, strict=True):
-            keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
-            values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
-            layers.append((keys, values))
-        self._cache = self._fast.batch_cache(layers)
+        if self._fast.append_cache:  # both parts copied once, straight into the new buffers
+            parts = [[(x.keys, x.values) for x in c.layers] for c in (self._cache, cache)]
+            self._cache = stacked_append_cache(parts, width)
+        else:
+            layers = []
+            for old, new in zip(self._cache.layers, cache.layers, strict=True):
+                keys = torch.cat([widen(old.keys, 2), widen(new.keys, 2)], dim=0)
+                values = torch.cat([widen(old.values, 2), widen(new.values, 2)], dim=0)
+                layers.append((keys, values))
+            self._cache = self._fast.batch_cache(layers)
         self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)], dim=0)
         self._running = self._running + sequences
 
@@ -1216,19 +1209,15 @@ class GenerationEngine:
             mask = self._mask[index]
             # Columns of padding that no remaining row needs are cut off the left edge.
             leading = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
-            if self._fast.append_cache:
+            if self._fast.append_cache:  # selected and trimmed in one copy
                 select_rows(self._cache, index.to(self.device), leading)
-                mask = mask[:, leading:]
-                leading = 0
             else:
                 self._cache.batch_select_indices(index)
-            if leading:
-                mask = mask[:, leading:]
-                for layer in self._cache.layers:
+                for layer in self._cache.layers if leading else ():
                     # Contiguous so that ``--compile`` graphs (which guard on strides) are reused.
                     layer.keys = layer.keys[:, :, leading:, :].contiguous()
                     layer.values = layer.values[:, :, leading:, :].contiguous()
-            self._mask = mask
+            self._mask = mask[:, leading:]
             self._running = [self._running[i] for i in keep]
         still_running = {id(s.handle) for s in self._running}
         for key, handle in done.items():

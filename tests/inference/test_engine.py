@@ -219,16 +219,18 @@ def test_prefix_cache_reuses_a_shared_beginning_across_requests(
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
 
     def one_by_one(
-        engine_kwargs: dict, swap_to: Path | None = None, model_dir: Path = tiny_model_dir
+        engine_kwargs: dict,
+        swap_to: Path | None = None,
+        model_dir: Path = tiny_model_dir,
+        reset: bool = False,
     ) -> tuple[list, dict]:
         loaded = load_model(str(model_dir), "float32")
 
         async def run() -> tuple[list, dict]:
-            kwargs = {k: v for k, v in engine_kwargs.items() if k != "reset"}
-            engine = GenerationEngine(loaded.model, loaded.tokenizer, **kwargs).start()
+            engine = GenerationEngine(loaded.model, loaded.tokenizer, **engine_kwargs).start()
             try:
                 outs = [(await engine.submit(p, params).result())[0] for p in prompts]
-                if engine_kwargs.get("reset"):
+                if reset:
                     engine.reset_prefix_cache()
                     hits = engine.stats["prefix_cache_hits"]
                     outs.append((await engine.submit(prompts[0], params).result())[0])
@@ -245,7 +247,7 @@ def test_prefix_cache_reuses_a_shared_beginning_across_requests(
 
         return asyncio.run(run())
 
-    cached, stats = one_by_one({"reset": True})
+    cached, stats = one_by_one({}, reset=True)
     assert cached[-1].token_ids == cached[0].token_ids
     cached = cached[: len(prompts)]
     # the 1st prompt is only remembered, the 2nd computes the shared part and keeps it

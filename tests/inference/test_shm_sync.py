@@ -138,6 +138,7 @@ def test_sync_while_generating_swaps_a_filled_spare(shm_server, tiny_model_dir):
     (``mode: swap``): the running sequence completes on the old weights and the next request
     runs on the new ones."""
     import threading
+    import time
 
     from transformers import AutoModelForCausalLM
 
@@ -166,10 +167,10 @@ def test_sync_while_generating_swaps_a_filled_spare(shm_server, tiny_model_dir):
 
         worker = threading.Thread(target=generate_long)
         worker.start()
-        deadline = 50
-        while httpx.get(shm_server.url + "/health").json().get("running", 0) == 0 and deadline:
-            deadline -= 1
-            threading.Event().wait(0.1)
+        deadline = time.monotonic() + 5
+        while httpx.get(shm_server.url + "/health").json().get("running", 0) == 0:
+            assert time.monotonic() < deadline, "the long request never started generating"
+            time.sleep(0.1)
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
