@@ -25,6 +25,7 @@ and backward) and MFU against this machine's measured GEMM peak (bench/gemm_peak
 
     python bench/trainer_step_bench.py                     # the arithmetic recipe's shapes
     python bench/trainer_step_bench.py --task gsm8k        # GSM8K-like shapes
+    python bench/trainer_step_bench.py --device cuda       # on a GPU (bf16 weights)
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layouts", nargs="*", default=LAYOUTS, choices=LAYOUTS)
     parser.add_argument("--json", default=None, help="write the summary here too")
+    parser.add_argument("--device", default="cpu", help="torch device the trainer runs on")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="weight dtype (auto: the trainer's choice, bf16 on a GPU that has it, else fp32)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -132,11 +140,17 @@ def main() -> None:
 
     path = resolve_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    device = args.device
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        gpu_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        dtype_name = "bfloat16" if gpu_bf16 else "float32"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name))
+    model.to(device)
     model.config.use_cache = False
-    fast_ok = check_fast_path(model, "cpu")
+    fast_ok = check_fast_path(model, device)
     flops = model_flops(model)
-    peak = gemm_peak("cpu", "float32", torch.get_num_threads())
+    peak = gemm_peak(device, dtype_name, torch.get_num_threads())
     flops_done: dict[str, float] = {}
     # keep the weights ~fixed; the loop-over-tensors AdamW for "before", fused for the others
     optimizers = {
@@ -152,6 +166,10 @@ def main() -> None:
         for seed in range(args.rounds + 1)
     ]
 
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     def run(layout: str, raw) -> tuple[float, int, int]:
         level = LAYOUTS.index(layout)
         ckpt = level == 0
@@ -165,7 +183,7 @@ def main() -> None:
                 getattr(model, "activation_checkpointing_disable", None)
                 or model.gradient_checkpointing_disable
             )()
-        config = TrainingConfig(model_name=path, device="cpu", batch_size=args.micro_batch)
+        config = TrainingConfig(model_name=path, device=device, batch_size=args.micro_batch)
         batch = prepare_batch(
             raw,
             args.micro_batch,
@@ -174,11 +192,13 @@ def main() -> None:
             skip_zero_advantage=level >= 5,
             pack_tokens=1024 if level >= 6 else 0,
         )
+        sync()
         started = time.perf_counter()
         fused = level >= 1
         train_step(
             model, optimizers[fused], schedulers[fused], batch, config, fast=level >= 3 and fast_ok
         )
+        sync()
         took = time.perf_counter() - started
         head = batch.run_tokens if level >= 3 and fast_ok else batch.computed_tokens
         flops_done[layout] = flops_done.get(layout, 0.0) + flops.training_flops(
@@ -208,7 +228,13 @@ def main() -> None:
         f"micro-batch {args.micro_batch}, {args.rounds} rounds, load {os.getloadavg()[0]:.2f}, "
         f"torch threads {torch.get_num_threads()}"
     )
-    print(f"GEMM peak (fp32, {torch.get_num_threads()} threads): {peak / 1e9:.1f} GFLOP/s")
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.startswith("cuda")
+        else f"{torch.get_num_threads()} threads"
+    )
+    print(f"device {device} ({where}), weights {dtype_name}")
+    print(f"GEMM peak ({dtype_name}, {where}): {peak / 1e9:.1f} GFLOP/s")
     header = f"{'layout':10s} {'s/step':>7s} {'batch tok/s':>12s} {'computed tok/s':>15s}"
     print(header + f" {'computed/batch':>15s} {'mfu':>6s} {'speed-up':>9s}")
     summary = {}
