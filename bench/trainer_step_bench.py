@@ -17,7 +17,8 @@ Layouts (each adds one change to the one before):
     shared     + each group's prompt run once per micro-batch
     skip       + zero-advantage sequences not run
     packed     + the step's sequences packed without padding, every common beginning once
-               (the default trainer, pack_tokens=1024)
+               (the default trainer, pack_tokens=1024); packed-N: the same with passes of at
+               most N tokens (e.g. packed-8192)
 
 Per layout: seconds per step, batch tokens/s (every token of the batch, prompts counted once
 per sequence: what a batch holds, not work), computed tokens/s (positions run through forward
@@ -116,7 +117,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--flat-fraction", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--layouts", nargs="*", default=LAYOUTS, choices=LAYOUTS)
+    parser.add_argument(
+        "--layouts", nargs="*", default=LAYOUTS, help=f"{', '.join(LAYOUTS)} or packed-N"
+    )
     parser.add_argument("--json", default=None, help="write the summary here too")
     parser.add_argument("--device", default="cpu", help="torch device the trainer runs on")
     parser.add_argument(
@@ -126,6 +129,10 @@ def main() -> None:
         help="weight dtype (auto: the trainer's choice, bf16 on a GPU that has it, else fp32)",
     )
     args = parser.parse_args()
+    for layout in args.layouts:
+        size = layout.removeprefix("packed-")
+        if layout not in LAYOUTS and not (layout.startswith("packed-") and size.isdigit()):
+            parser.error(f"--layouts: unknown layout {layout!r} ({', '.join(LAYOUTS)}, packed-N)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
@@ -171,7 +178,8 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def run(layout: str, raw) -> tuple[float, int, int]:
-        level = LAYOUTS.index(layout)
+        pack = int(layout.removeprefix("packed-")) if layout.startswith("packed-") else 1024
+        level = LAYOUTS.index("packed" if layout.startswith("packed-") else layout)
         ckpt = level == 0
         if ckpt:
             (
@@ -190,7 +198,7 @@ def main() -> None:
             upstream_padding=level < 2,
             share_prefix=level >= 4,
             skip_zero_advantage=level >= 5,
-            pack_tokens=1024 if level >= 6 else 0,
+            pack_tokens=pack if level >= 6 else 0,
         )
         sync()
         started = time.perf_counter()

@@ -240,9 +240,9 @@ def train(
     start_model = str(resume_from or resolve_model_source(config.model_name))
     model, tokenizer = load_policy(start_model, config)
     fast = check_fast_path(model, config.device)
-    pack_tokens = (
-        config.pack_tokens if config.pack_tokens and check_packed_path(model, config.device) else 0
-    )
+    pack_tokens = config.resolved_pack_tokens()
+    if pack_tokens and not check_packed_path(model, config.device):
+        pack_tokens = 0
     logger.info(
         "log-probabilities: %s; %s",
         "trained positions only" if fast else "full forward pass",

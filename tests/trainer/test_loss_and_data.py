@@ -424,3 +424,17 @@ def test_unknown_yaml_key_is_refused(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         load_config(["--config", str(yaml_file)])
     assert "unknown field(s) learning_rate" in capsys.readouterr().err
+
+
+def test_pack_tokens_default_depends_on_the_device() -> None:
+    """Unset, ``pack_tokens`` is 1024 on a CPU and 8192 on a GPU (larger passes are 2-4x
+    faster there, bench/README.md); a value given, 0 included, is kept on either."""
+    from example_trainer.config import TrainingConfig
+
+    def packs(**fields) -> int:
+        return TrainingConfig(model_name="m", **fields).resolved_pack_tokens()
+
+    assert packs(device="cpu") == 1024
+    assert packs(device="cuda") == packs(device="cuda:1") == 8192
+    assert packs(device="cuda", pack_tokens=0) == packs(device="cpu", pack_tokens=0) == 0
+    assert packs(device="cpu", pack_tokens=2048) == 2048
