@@ -218,7 +218,66 @@ def load_model(
 
 
 def load_weights(source: str, torch_dtype: torch.dtype) -> PreTrainedModel:
-    """Load only the model weights (used for hot reload, where the tokenizer stays)."""
+    """Load only the model weights (used for hot reload, where the tokenizer stays).
+
+    The weights are in the process's own memory when this returns (see
+    :func:`own_file_backed_tensors`), never a view of the checkpoint file.
+    """
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     model.eval()
+    own_file_backed_tensors(model)
     return model
+
+
+def _file_backed_ranges() -> list[tuple[int, int]] | None:
+    """Address ranges of this process mapped from regular files (``/proc/self/maps``); None
+    where that cannot be read."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if (
+                    len(fields) < 6
+                    or not fields[5].startswith("/")
+                    or fields[5].startswith("/dev/")
+                ):
+                    continue
+                low, high = fields[0].split("-")
+                ranges.append((int(low, 16), int(high, 16)))
+    except OSError:
+        return None
+    return sorted(ranges)
+
+
+def own_file_backed_tensors(model: torch.nn.Module) -> int:
+    """Copy every parameter and buffer of ``model`` that lies in a file mapping into the
+    process's own memory; returns how many were copied.
+
+    ``from_pretrained`` leaves weights it did not convert (a float32 checkpoint served in
+    float32) as views of a private mapping of ``model.safetensors``. Serving from them has two
+    costs: the first in-place weight update (``/load_weights_from_shm``) takes one copy-on-write
+    fault per 4 KiB page (131,000 for SmolLM2-135M: 0.3-1.3 s instead of 0.05 s), and a trainer
+    that rewrites that file in place (same path, truncated) changes or removes pages under the
+    server (SIGBUS). Where ``/proc/self/maps`` cannot be read, every tensor is copied.
+    """
+    ranges = _file_backed_ranges()
+
+    def in_file(tensor: torch.Tensor) -> bool:
+        if ranges is None:
+            return True
+        address = tensor.untyped_storage().data_ptr()
+        return any(low <= address < high for low, high in ranges)
+
+    copied = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if param.numel() and in_file(param):
+                    param.data = param.data.clone()  # tied parameters share the object
+                    copied += 1
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.numel() and in_file(buffer):
+                    module._buffers[name] = buffer.clone()
+                    copied += 1
+    return copied

@@ -164,3 +164,51 @@ async def test_overload_answers_429_and_never_hangs(guarded_server):
     # Once the load is gone the server serves again.
     assert (await one()).choices
     await client.close()
+
+
+def test_served_weights_do_not_follow_a_checkpoint_rewritten_in_place(
+    tmp_path_factory, tiny_model_dir, tiny_model_dir_b, tmp_path
+):
+    """A float32 checkpoint served in float32 is not left as a view of its file: when a trainer
+    rewrites ``model.safetensors`` in place (same path, same inode) the served weights stay the
+    ones loaded, at start and after ``/reload_weights``; the next reload takes the new ones."""
+    import shutil
+
+    served = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, served)
+    other = (tiny_model_dir_b / "model.safetensors").read_bytes()
+    original = (tiny_model_dir / "model.safetensors").read_bytes()
+
+    def rewrite_in_place(data: bytes) -> None:
+        with open(served / "model.safetensors", "r+b") as f:  # truncate + write: same inode
+            f.truncate(0)
+            f.write(data)
+
+    def greedy_logprobs(url: str) -> list[float]:
+        reply = httpx.post(
+            url + "/v1/completions",
+            json={"model": SERVED_NAME, "prompt": PROMPT_IDS, "max_tokens": 4,
+                  "temperature": 0, "logprobs": 0},
+            timeout=60,
+        )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    server = start_server(
+        tmp_path_factory, served, "--dtype", "float32", "--served-model-name", SERVED_NAME
+    )
+    try:
+        before = greedy_logprobs(server.url)
+        rewrite_in_place(other)
+        assert greedy_logprobs(server.url) == before
+        rewrite_in_place(original)
+        reply = httpx.post(server.url + "/reload_weights", json={"path": str(served)}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert greedy_logprobs(server.url) == before
+        rewrite_in_place(other)  # the reloaded weights do not follow the file either
+        assert greedy_logprobs(server.url) == before
+        reply = httpx.post(server.url + "/reload_weights", json={"path": str(served)}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert greedy_logprobs(server.url) != before  # a reload reads the file as it is now
+    finally:
+        server.stop()
