@@ -15,15 +15,19 @@ name ``named_parameters()`` gives them; the reader's model ties them the same wa
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import struct
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 """Where segments are created (Linux's shared-memory tmpfs)."""
@@ -52,16 +56,64 @@ def unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, p.detach()) for name, p in model.named_parameters()]
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def reap_stale_segments(
+    directory: str | os.PathLike[str] = SHM_DIR, prefix: str = "atropos"
+) -> list[Path]:
+    """Delete the segments of writers whose process is gone (killed before it could delete its
+    own: a segment is a model's worth of RAM until the machine restarts); returns them.
+    Segments are named ``PREFIX-weights-PID-RANDOM``; others are left alone."""
+    reaped = []
+    try:
+        candidates = list(Path(directory).glob(f"{prefix}-weights-*-*"))
+    except OSError:
+        return reaped
+    for path in candidates:
+        pid = path.name[len(f"{prefix}-weights-") :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+            reaped.append(path)
+        except OSError:
+            pass
+    return reaped
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
 class SharedWeightsWriter:
-    """Writes a model's parameters into a shared-memory segment, reused across writes."""
+    """Writes a model's parameters into a shared-memory segment, reused across writes.
+
+    The segment is deleted by :meth:`close`, when the writer is garbage-collected and at
+    interpreter exit; segments left by writers that were killed are deleted when the next
+    writer on the machine starts (:func:`reap_stale_segments`).
+    """
 
     def __init__(
         self, directory: str | os.PathLike[str] = SHM_DIR, prefix: str = "atropos"
     ) -> None:
+        for path in reap_stale_segments(directory, prefix):
+            logger.info("deleted %s, left by a process that no longer runs", path)
         self.path = Path(directory) / f"{prefix}-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._map: mmap.mmap | None = None
         self._views: list[torch.Tensor] = []
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
 
     def write(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
         """Copy ``tensors`` (``(name, tensor)`` pairs) into the segment; returns its path.
@@ -125,10 +177,7 @@ class SharedWeightsWriter:
         """Unmap and delete the segment."""
         self._release()
         self._layout = []
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        self._finalizer()  # deletes the file, once
 
 
 def read_segment(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

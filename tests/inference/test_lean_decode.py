@@ -86,8 +86,10 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor):
     return cache, logits.argmax(-1, keepdim=True)
 
 
-def _assert_lean_steps_equal_the_model_forward(model, padded: bool) -> None:
-    lean = LeanDecoder.build(model)
+def _assert_lean_steps_equal_the_model_forward(
+    model, padded: bool, lean: LeanDecoder | None = None
+) -> None:
+    lean = lean or LeanDecoder.build(model)
     if not packing_supported(model.dtype):
         # No packed kernels for this dtype on this CPU (bf16 without AVX-512/AMX): nothing was
         # packed and the engine keeps the model's own forward.
@@ -159,6 +161,44 @@ def test_weights_changed_in_place_switch_the_lean_step_off(tiny_model_dir: Path)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(0.5)
     assert not lean.current()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_refresh_after_an_in_place_update_rewrites_the_copies_it_has(
+    tiny_model_dir: Path, dtype: torch.dtype, model_type: str
+) -> None:
+    """After new weights are copied in place (a shared-memory sync), ``fastpath.refresh``
+    rewrites the packed and fused copies where they are (the same tensors, no new ones) and
+    the lean step then computes exactly the model's forward pass with the *new* weights
+    (qwen2: biases on the fused q/k/v too)."""
+    from atroposlib.inference import fastpath
+
+    if model_type == "llama":
+        model, _ = _prepared(tiny_model_dir, dtype)
+    else:
+        model = _random_model(model_type, **OTHER_ARCHITECTURES[model_type]).to(dtype)
+        use_decode_attention(model)
+    prepared = fastpath.prepare(model)
+    if not packing_supported(dtype):  # bf16 without AVX-512/AMX: nothing packed, nothing to do
+        assert prepared.lean is None and prepared.packed_layers == 0
+        assert fastpath.refresh(prepared).decode_path == "transformers"
+        return
+    assert prepared.lean is not None
+    packed = {name: m._atropos_packed for name, m in model.named_modules() if is_packed(m)}
+    fused = [(layer.qkv, layer.gate_up) for layer in prepared.lean.layers]
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator).to(dtype) * 0.05)
+    assert not prepared.current()
+    refreshed = fastpath.refresh(prepared)
+    assert refreshed is prepared and refreshed.current()
+    assert refreshed.decode_path == "lean"
+    assert {n: m._atropos_packed for n, m in model.named_modules() if is_packed(m)} == packed
+    for layer, (qkv, gate_up) in zip(refreshed.lean.layers, fused, strict=True):
+        assert layer.qkv is qkv and layer.gate_up is gate_up
+    _assert_lean_steps_equal_the_model_forward(model, padded=True, lean=refreshed.lean)
 
 
 def test_models_it_cannot_run_exactly_get_none(tiny_model_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -184,3 +185,52 @@ def test_sync_while_generating_swaps_a_filled_spare(shm_server, tiny_model_dir):
         assert served == pytest.approx(reference_logprobs(trainer, PROMPT_IDS, ids), abs=2e-3)
     finally:
         client.close()
+
+
+def test_segments_of_killed_trainers_are_deleted_by_the_next_writer(tmp_path):
+    """A trainer killed with SIGKILL cannot delete its segment (a model's worth of RAM in
+    /dev/shm until reboot): the next writer on the machine does; a live writer's segment and
+    files of other names stay. A writer deletes its own at close and when collected."""
+    import gc
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from atroposlib.utils.shm_weights import SharedWeightsWriter
+
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from atroposlib.utils.shm_weights import SharedWeightsWriter
+        writer = SharedWeightsWriter({str(tmp_path)!r})
+        print(writer.write([("w", torch.ones(4))]), flush=True)
+        time.sleep(600)
+        """
+    )
+    killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        killed_path = Path(killed.stdout.readline().strip())
+        alive_path = Path(alive.stdout.readline().strip())
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        other = tmp_path / "atropos-weights-notapid-x"
+        other.write_bytes(b"")
+        assert killed_path.exists() and alive_path.exists()
+        writer = SharedWeightsWriter(tmp_path)
+        assert not killed_path.exists()
+        assert alive_path.exists() and other.exists()
+        own = writer.write([("w", torch.zeros(2))])
+        assert own.exists()
+        writer.close()
+        assert not own.exists()
+        collected = SharedWeightsWriter(tmp_path)
+        path = collected.write([("w", torch.zeros(2))])
+        del collected
+        gc.collect()
+        assert not path.exists()
+    finally:
+        for proc in (killed, alive):
+            proc.kill()
+            proc.wait(10)

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from atroposlib.utils.memory import heap_for_temporaries
+
 from .attention import append_cache, use_decode_attention
 from .lean_decode import LeanDecoder
-from .packed_linear import pack_linear_weights, unpack_linear_weights
+from .packed_linear import pack_linear_weights, repack_in_place, unpack_linear_weights
 
 __all__ = ["FastPathOptions", "PreparedModel", "prepare", "refresh", "release"]
 
@@ -174,9 +176,17 @@ def refresh(prepared: PreparedModel) -> PreparedModel:
     stays). Until then packed layers multiply unpacked and the lean step stands aside, so
     results are never stale, only slower."""
     model, options = prepared.model, prepared.options
+    full = options.enabled and not options.compiled
+    if full and prepared.packed_layers:
+        # Same shapes and dtype (an in-place weight update): rewrite the packed and fused
+        # copies where they are, temporaries from the heap (no fresh pages to fault in).
+        with heap_for_temporaries():
+            repacked = repack_in_place(model)
+            lean_ok = prepared.lean is None or prepared.lean.refresh_in_place()
+        if repacked == prepared.packed_layers and lean_ok:
+            return prepared
     if prepared.lean is not None:
         prepared.lean.__dict__.clear()
-    full = options.enabled and not options.compiled
     packed = pack_linear_weights(model) if full else 0
     lean, lean_why = None, "lean_decode is off"
     if full and options.lean:

@@ -193,6 +193,37 @@ class LeanDecoder:
                 )
         return layers
 
+    def refresh_in_place(self) -> bool:
+        """After the model's weights were changed in place (same shapes and dtype), rewrite the
+        fused query/key/value and gate/up copies from them without allocating new ones, and
+        count the new weights as current. The packed output, down and LM-head projections are
+        the layers' own packed copies (:func:`~.packed_linear.repack_in_place` refreshes them).
+        False (nothing changed) when the model's layout no longer fits; build a new decoder."""
+        inner = self.model.model  # type: ignore[attr-defined]
+        if len(inner.layers) != len(self.layers):
+            return False
+        with torch.no_grad():
+            for layer, fused in zip(inner.layers, self.layers, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                if attn.o_proj._atropos_packed is not fused.o:
+                    return False
+                if mlp.down_proj._atropos_packed is not fused.down:
+                    return False
+            for layer, fused in zip(inner.layers, self.layers, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                fused.qkv.copy_(qkv.to_mkldnn())
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                fused.gate_up.copy_(gate_up.to_mkldnn())
+                if fused.qkv_bias is not None:
+                    fused.qkv_bias.copy_(_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
+                if fused.gate_up_bias is not None:
+                    fused.gate_up_bias.copy_(_cat_bias(mlp.gate_proj, mlp.up_proj))
+        self._sources = [
+            (p, None if p.is_inference() else p._version) for p in self.model.parameters()
+        ]
+        return True
+
     def current(self) -> bool:
         """False once any of the model's weights was changed in place after :meth:`build`."""
         return all(version is None or p._version == version for p, version in self._sources)
