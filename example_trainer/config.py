@@ -226,7 +226,8 @@ class TrainingConfig(BaseModel):
         "shared memory when inference_url is this machine (loopback or its own name), else "
         "disk. shm: the trainer writes its parameters into /dev/shm and the server copies "
         "them into its model in place (POST /load_weights_from_shm; no checkpoint written for "
-        "the sync; same machine only). disk: the trainer writes a checkpoint folder each sync "
+        "the sync; same machine only; the segment, a model's size of RAM, is deleted when the "
+        "trainer ends, or by the next trainer if it was killed). disk: the trainer writes a checkpoint folder each sync "
         "and the server reloads it (POST /reload_weights; for a server on another machine "
         "that sees the trainer's folder).",
     )
