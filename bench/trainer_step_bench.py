@@ -143,16 +143,14 @@ def main() -> None:
     from example_trainer.config import TrainingConfig
     from example_trainer.data import prepare_batch
     from example_trainer.forward import check_fast_path
-    from example_trainer.grpo import train_step
+    from example_trainer.grpo import resolve_dtype, train_step
 
     path = resolve_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     device = args.device
-    dtype_name = args.dtype
-    if dtype_name == "auto":
-        gpu_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
-        dtype_name = "bfloat16" if gpu_bf16 else "float32"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name))
+    dtype = resolve_dtype(TrainingConfig(model_name=path, device=device, dtype=args.dtype))
+    dtype_name = str(dtype).removeprefix("torch.")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
     model.config.use_cache = False
     fast_ok = check_fast_path(model, device)

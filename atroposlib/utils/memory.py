@@ -37,19 +37,12 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     a value with the ``MALLOC_MMAP_THRESHOLD_`` environment variable, which glibc already
     applied.
     """
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
     if not ok:
         logger.debug("mallopt(M_MMAP_THRESHOLD, %d) was refused", nbytes)
     global _pinned_at
@@ -58,6 +51,8 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
 
 
 def _libc() -> ctypes.CDLL | None:
+    """glibc with ``mallopt`` and ``malloc_trim`` typed; None off Linux or where the C library
+    has no such functions (musl)."""
     name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
     if name is None:
         return None

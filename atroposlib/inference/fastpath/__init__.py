@@ -181,9 +181,10 @@ def refresh(prepared: PreparedModel) -> PreparedModel:
         # Same shapes and dtype (an in-place weight update): rewrite the packed and fused
         # copies where they are, temporaries from the heap (no fresh pages to fault in).
         with heap_for_temporaries():
-            repacked = repack_in_place(model)
-            lean_ok = prepared.lean is None or prepared.lean.refresh_in_place()
-        if repacked == prepared.packed_layers and lean_ok:
+            in_place = repack_in_place(model) == prepared.packed_layers and (
+                prepared.lean is None or prepared.lean.refresh_in_place()
+            )
+        if in_place:
             return prepared
     if prepared.lean is not None:
         prepared.lean.__dict__.clear()

@@ -61,6 +61,20 @@ def _cat_bias(*layers: nn.Linear) -> torch.Tensor | None:
     return torch.cat([b.detach() for b in biases]).contiguous()  # type: ignore[union-attr]
 
 
+def _fused_projections(
+    layer: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """A decoder layer's query/key/value and gate/up weights, each concatenated into one
+    (plain layout), with their concatenated biases (None where the layers have none)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        _cat_bias(mlp.gate_proj, mlp.up_proj),
+    )
+
+
 class _Unsupported(Exception):
     pass
 
@@ -169,16 +183,15 @@ class LeanDecoder:
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 if (q_norm is None) != (k_norm is None):
                     raise _Unsupported("a norm on queries or keys only")
-                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                qkv, qkv_bias, gate_up, gate_up_bias = _fused_projections(layer)
                 layers.append(
                     _Layer(
                         qkv=_pack(qkv),
-                        qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                        qkv_bias=qkv_bias,
                         o=attn.o_proj._atropos_packed,
                         o_bias=attn.o_proj.bias,
                         gate_up=_pack(gate_up),
-                        gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                        gate_up_bias=gate_up_bias,
                         down=mlp.down_proj._atropos_packed,
                         down_bias=mlp.down_proj.bias,
                         q_norm=None if q_norm is None else q_norm.weight,
@@ -210,15 +223,13 @@ class LeanDecoder:
                 if mlp.down_proj._atropos_packed is not fused.down:
                     return False
             for layer, fused in zip(inner.layers, self.layers, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                qkv, qkv_bias, gate_up, gate_up_bias = _fused_projections(layer)
                 fused.qkv.copy_(qkv.to_mkldnn())
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 fused.gate_up.copy_(gate_up.to_mkldnn())
                 if fused.qkv_bias is not None:
-                    fused.qkv_bias.copy_(_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
+                    fused.qkv_bias.copy_(qkv_bias)
                 if fused.gate_up_bias is not None:
-                    fused.gate_up_bias.copy_(_cat_bias(mlp.gate_proj, mlp.up_proj))
+                    fused.gate_up_bias.copy_(gate_up_bias)
         self._sources = [
             (p, None if p.is_inference() else p._version) for p in self.model.parameters()
         ]
