@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     warm = engine.warmup()
     engine.start()
+    # Weights are loaded: from here on each step's temporaries come from the heap (weights
+    # loaded later still go to their own mappings; see atroposlib.utils.memory).
+    from atroposlib.utils.memory import use_heap_for_temporaries
+
+    use_heap_for_temporaries()
     names = args.served_model_name or [args.model]
     logging.getLogger("atroposlib.inference").info(
         "serving %s from %s (%s, %s decode step, loaded in %.1f s, warm-up %.1f s) as %s on "

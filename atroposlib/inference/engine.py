@@ -52,6 +52,7 @@ from atroposlib.inference.sampling import (
     sample_next,
 )
 from atroposlib.utils.kv_cache import cache_kwargs, output_cache
+from atroposlib.utils.memory import mapped_allocations, release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +330,8 @@ class GenerationEngine:
         self.max_logprobs = max_logprobs
         self.prefill_token_budget = prefill_token_budget
         self.min_shared_prefix = min_shared_prefix
+        self.idle_trim_seconds = 5.0
+        """After this long with nothing to do, the scheduler hands free heap memory back."""
         self.prefix_cache = PrefixCache(
             max_entries=prefix_cache_entries, min_tokens=min_shared_prefix
         )
@@ -628,9 +631,11 @@ class GenerationEngine:
         return model
 
     def _prepare(self, model: PreTrainedModel) -> fastpath.PreparedModel:
-        model.to(self.device)
-        model.eval()
-        return fastpath.prepare(model, self._fast_options)
+        # the packed and fused weight copies live as long as the model (see load_weights)
+        with mapped_allocations():
+            model.to(self.device)
+            model.eval()
+            return fastpath.prepare(model, self._fast_options)
 
     def request_reload(
         self, model: PreTrainedModel, *, keep_outgoing: bool = False
@@ -718,6 +723,11 @@ class GenerationEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
+                    if not self._has_work():
+                        # idle for a while: the heap's free pages (last steps' temporaries,
+                        # when use_heap_for_temporaries is on) go back to the system
+                        if not self._cond.wait(timeout=self.idle_trim_seconds):
+                            release_free_memory()
                     while not self._has_work():
                         self._cond.wait()
                     if self._stopped:

@@ -223,9 +223,13 @@ def load_weights(source: str, torch_dtype: torch.dtype) -> PreTrainedModel:
     The weights are in the process's own memory when this returns (see
     :func:`own_file_backed_tensors`), never a view of the checkpoint file.
     """
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    model.eval()
-    own_file_backed_tensors(model)
+    from atroposlib.utils.memory import mapped_allocations
+
+    # weights are long-lived: mapped on their own, so that dropping them returns the memory
+    with mapped_allocations():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        model.eval()
+        own_file_backed_tensors(model)
     return model
 
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import platform
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -152,6 +157,66 @@ def test_pin_mmap_threshold_applies_on_glibc_and_respects_the_users_choice(monke
     assert pin_mmap_threshold() is on_glibc
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     assert pin_mmap_threshold() is False
+
+
+_WHERE_BLOCKS_GO = """
+import ctypes, json
+from atroposlib.utils import memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+
+def from_heap(size=4 << 20):
+    # is a fresh 4 MiB block (a decode step's temporary) inside the [heap] mapping?
+    address = libc.malloc(size)
+    try:
+        for line in open("/proc/self/maps"):
+            if line.rstrip().endswith("[heap]"):
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                if low <= address < high:
+                    return True
+        return False
+    finally:
+        libc.free(address)
+
+
+seen = {"pinned": (memory.pin_mmap_threshold(), from_heap())[1]}
+memory.use_heap_for_temporaries()
+seen["heap mode"] = from_heap()
+with memory.mapped_allocations():
+    seen["loading weights"] = from_heap()
+    with memory.heap_for_temporaries():
+        seen["re-packing inside a load"] = from_heap()
+seen["after the load"] = from_heap()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's malloc settings",
+)
+def test_temporaries_come_from_the_heap_and_weights_get_their_own_mappings() -> None:
+    """atropos-serve pins the mmap threshold so dropped weights go back to the system, then
+    (use_heap_for_temporaries) takes each generation step's temporaries from the heap, where
+    they reuse pages instead of faulting fresh ones in; weights loaded later (inside
+    mapped_allocations) are still mapped on their own. Run in a fresh interpreter: the
+    settings are process-wide."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _WHERE_BLOCKS_GO], capture_output=True, text=True, env=env,
+        check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout) == {
+        "pinned": False,
+        "heap mode": True,
+        "loading weights": False,
+        "re-packing inside a load": False,
+        "after the load": True,
+    }
 
 
 def test_gather_bounded_keeps_order_limits_concurrency_and_shows_progress(

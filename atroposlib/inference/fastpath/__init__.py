@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from atroposlib.utils.memory import heap_for_temporaries
+from atroposlib.utils.memory import heap_for_temporaries, mapped_allocations
 
 from .attention import append_cache, use_decode_attention
 from .lean_decode import LeanDecoder
@@ -188,10 +188,11 @@ def refresh(prepared: PreparedModel) -> PreparedModel:
             return prepared
     if prepared.lean is not None:
         prepared.lean.__dict__.clear()
-    packed = pack_linear_weights(model) if full else 0
     lean, lean_why = None, "lean_decode is off"
-    if full and options.lean:
-        lean, lean_why = LeanDecoder.try_build(model)
+    with mapped_allocations():  # new packed copies: as long-lived as the model
+        packed = pack_linear_weights(model) if full else 0
+        if full and options.lean:
+            lean, lean_why = LeanDecoder.try_build(model)
     fresh = PreparedModel(
         model=model,
         options=options,
