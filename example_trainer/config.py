@@ -11,6 +11,7 @@ defaults, the YAML file, command-line flags.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,11 @@ class TrainingConfig(BaseModel):
     weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(
         default=0, ge=0, description="Steps of linear learning-rate warm-up from 0 to lr."
+    )
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="Learning rate after warm-up: constant, or decaying to 0 over training_steps "
+        "(linear or cosine, as transformers' and TRL's lr_scheduler_type).",
     )
     training_steps: int = Field(default=10, ge=1, description="Optimizer steps to run in total.")
     batch_size: int = Field(
@@ -431,3 +437,20 @@ def load_config(argv: Sequence[str] | None = None, prog: str = "atropos-grpo") -
         parser.error(exc.message)
     assert isinstance(config, TrainingConfig)
     return config
+
+
+def lr_multiplier(step: int, warmup_steps: int, training_steps: int, kind: str) -> float:
+    """The factor on ``lr`` for optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps``, then ``kind`` (``constant``, ``linear`` or ``cosine`` decay towards 0 at
+    ``training_steps``), the formulas of transformers' schedules of the same names."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    span = max(1, training_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"lr_scheduler_type: unknown schedule {kind!r}")

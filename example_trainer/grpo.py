@@ -38,7 +38,7 @@ from example_trainer.checkpoint import (
     save_trainer_state,
     step_dir,
 )
-from example_trainer.config import TrainingConfig, load_config
+from example_trainer.config import TrainingConfig, load_config, lr_multiplier
 from example_trainer.data import TrainingBatch, prepare_batch
 from example_trainer.forward import check_fast_path, check_packed_path, policy_logprobs
 from example_trainer.inference_process import InferenceLaunchError
@@ -267,7 +267,10 @@ def train(
         ref_model.eval().requires_grad_(False)
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+        optimizer,
+        lambda s: lr_multiplier(
+            s, config.warmup_steps, config.training_steps, config.lr_scheduler_type
+        ),
     )
     step = 0
     if resume_from is not None:

@@ -428,13 +428,16 @@ def run(args: QuickstartOptions) -> int:
         launched.start_services()  # run-api and atropos-serve, each answering /health
 
         def on_ready() -> None:
-            """The server serves the starting weights: evaluate them, then start the env."""
+            """The server serves the starting weights: start the env, evaluate them."""
             nonlocal env_started
+            # The env starts first: its start-up (imports, tokenizer, registering) and first
+            # rollouts overlap the evaluation. They sample the same starting weights, so the
+            # evaluation's result does not depend on it.
+            launched.start_environments()
+            env_started = True
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
                 before = evaluator.run(0, "before")
                 _append(metrics_file, {"step": 0, "time": time.time(), **before})
-            launched.start_environments()
-            env_started = True
 
         def on_step(step: int, synced: Path | None) -> dict[str, float] | None:
             if not args.eval or synced is None:

@@ -10,7 +10,8 @@ onto a ``GRPOConfig``:
 TrainingConfig                    GRPOConfig
 ================================  ===========================================================
 ``lr``, ``weight_decay``          ``learning_rate``, ``weight_decay``
-``warmup_steps``                  ``warmup_steps`` (then a constant rate, as the GRPO trainer)
+``warmup_steps``                  ``warmup_steps``
+``lr_scheduler_type``             ``lr_scheduler_type`` (``constant``: ``constant_with_warmup``)
 ``training_steps``                ``max_steps``
 ``batch_size`` (micro-batch)      ``per_device_train_batch_size``
 ``gradient_accumulation_steps``   ``gradient_accumulation_steps``
@@ -52,7 +53,11 @@ def grpo_config(config: TrainingConfig, *, num_generations: int, temperature: fl
         learning_rate=config.lr,
         weight_decay=config.weight_decay,
         warmup_steps=config.warmup_steps,
-        lr_scheduler_type="constant_with_warmup",
+        lr_scheduler_type=(
+            "constant_with_warmup"
+            if config.lr_scheduler_type == "constant"
+            else config.lr_scheduler_type
+        ),
         max_steps=config.training_steps,
         per_device_train_batch_size=config.batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,

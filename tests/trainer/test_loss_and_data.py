@@ -438,3 +438,26 @@ def test_pack_tokens_default_depends_on_the_device() -> None:
     assert packs(device="cuda") == packs(device="cuda:1") == 8192
     assert packs(device="cuda", pack_tokens=0) == packs(device="cpu", pack_tokens=0) == 0
     assert packs(device="cpu", pack_tokens=2048) == 2048
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_lr_schedules_match_transformers_schedules_of_the_same_name(kind: str, warmup: int):
+    """lr_scheduler_type means what it means in transformers (and TRL): the trainer's factor
+    on lr equals transformers' schedule at every step."""
+    import torch
+    from transformers import get_scheduler
+
+    from example_trainer.config import lr_multiplier
+
+    total = 20
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    name = "constant_with_warmup" if kind == "constant" else kind
+    theirs = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    for step in range(total):
+        # transformers' lambdas count from 0 before the first step; ours the optimizer step
+        # about to run, with warm-up reaching the full rate at the end of warm-up
+        expected = theirs.get_last_lr()[0] if warmup == 0 or step >= warmup else (step + 1) / warmup
+        assert lr_multiplier(step, warmup, total, kind) == pytest.approx(expected, abs=1e-9), step
+        optimizer.step()
+        theirs.step()
