@@ -145,7 +145,8 @@ def heap_for_temporaries() -> Iterator[None]:
     """While inside, blocks up to 32 MiB come from the heap and freed ones stay there for reuse,
     even in a process whose threshold :func:`pin_mmap_threshold` pinned; on leaving, the
     process's own setting is restored and the heap's free memory is handed back
-    (``malloc_trim``).
+    (``malloc_trim``), unless the process is in :func:`use_heap_for_temporaries` mode, whose
+    next steps reuse those pages.
 
     For work that allocates and frees many same-sized temporaries in a row (re-packing each
     layer's weights after a weight update): with the pinned threshold each of them is a fresh
@@ -167,7 +168,9 @@ def heap_for_temporaries() -> Iterator[None]:
         with _state_lock:
             _heap_depth -= 1
             _apply_locked()
-        libc.malloc_trim(0)
+            trim = not _heap_mode  # a process in heap mode reuses those pages next step
+        if trim:
+            libc.malloc_trim(0)
 
 
 def release_free_memory() -> bool:
