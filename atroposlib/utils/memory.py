@@ -8,6 +8,12 @@ fragments. For ``atropos-serve``, which loads a new copy of the weights on every
 ``/reload_weights``, that made the resident size climb by hundreds of MB per reload (measured:
 1.7 GB to 5.7 GB over 20 reloads of SmolLM2-135M in float32). Pinning the threshold keeps it
 flat (2.3-2.4 GB over the same 20 reloads).
+
+Pinned, though, every temporary of 1 MiB or more (a decode step's logits, sampling buffers, a
+growing key/value cache) is a fresh mapping too, faulted in page by page at every step. So a
+server pins the threshold for loading, then calls :func:`use_heap_for_temporaries` once its
+weights are in: temporaries come from the heap, and weights loaded or packed later go inside
+:func:`mapped_allocations`, which applies the pinned threshold again while they are allocated.
 """
 
 from __future__ import annotations
