@@ -56,6 +56,10 @@ class MathVerifyEnvConfig(LocalEnvConfig):
     total_steps: int = 1000
     batch_size: int = 12
     steps_per_eval: int = 100
+    # greedy evaluations run 64 at a time (upstream: 16): replies of up to a few hundred
+    # tokens decode as one batch, ~1.35x faster on the embedded server (64 GSM8K test
+    # problems: 67 s at 16, 50 s at 64)
+    max_eval_workers: int = 64
 
     dataset_path: str | None = Field(
         default=None,
@@ -118,7 +122,7 @@ class MathVerifyEnv(BaseEnv):
     """Math problems with math-verify rewards (+1 / -1, length penalty when all are right)."""
 
     env_config_cls = MathVerifyEnvConfig
-    default_server_configs = local_server_configs()
+    default_server_configs = local_server_configs(num_requests_for_eval=64)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
