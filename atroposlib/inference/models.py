@@ -37,6 +37,7 @@ from atroposlib.inference.assets import (  # noqa: F401 - re-exported (their old
     smollm2_gguf_path,
     smollm2_tokenizer_dir,
 )
+from atroposlib.utils.memory import mapped_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +224,6 @@ def load_weights(source: str, torch_dtype: torch.dtype) -> PreTrainedModel:
     The weights are in the process's own memory when this returns (see
     :func:`own_file_backed_tensors`), never a view of the checkpoint file.
     """
-    from atroposlib.utils.memory import mapped_allocations
-
     # weights are long-lived: mapped on their own, so that dropping them returns the memory
     with mapped_allocations():
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)

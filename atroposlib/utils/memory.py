@@ -176,7 +176,7 @@ def heap_for_temporaries() -> Iterator[None]:
             _apply_locked()
             trim = not _heap_mode  # a process in heap mode reuses those pages next step
         if trim:
-            libc.malloc_trim(0)
+            release_free_memory()
 
 
 def release_free_memory() -> bool:

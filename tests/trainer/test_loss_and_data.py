@@ -455,9 +455,12 @@ def test_lr_schedules_match_transformers_schedules_of_the_same_name(kind: str, w
     name = "constant_with_warmup" if kind == "constant" else kind
     theirs = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     for step in range(total):
-        # transformers' lambdas count from 0 before the first step; ours the optimizer step
-        # about to run, with warm-up reaching the full rate at the end of warm-up
-        expected = theirs.get_last_lr()[0] if warmup == 0 or step >= warmup else (step + 1) / warmup
+        # after warm-up the same factor at the same step; during warm-up ours is one step
+        # ahead (the full rate at the last warm-up step, where transformers' starts at 0)
+        if step < warmup:
+            expected = theirs.lr_lambdas[0](step + 1)
+        else:
+            expected = theirs.get_last_lr()[0]
         assert lr_multiplier(step, warmup, total, kind) == pytest.approx(expected, abs=1e-9), step
         optimizer.step()
         theirs.step()
