@@ -88,6 +88,7 @@ from atroposlib.envs.options import SERVER_MANAGER_OPTIONS
 from atroposlib.envs.process import process, run_evaluate
 from atroposlib.envs.registration import Registration
 from atroposlib.envs.runtime import ServeLoop
+from atroposlib.envs.selective import FlatItemFilter
 from atroposlib.envs.sending import JsonlWriter, RolloutApiClient
 from atroposlib.envs.server_handling.server_baseline import (
     APIServer,
@@ -295,6 +296,18 @@ class BaseEnv(ABC):
         """The next item to roll out; None means "nothing now" (spawning stops until the
         next loop iteration)."""
         raise NotImplementedError("get_next_item must be implemented in subclass")
+
+    @property
+    def flat_items(self) -> FlatItemFilter | None:
+        """The selective-rollout state (items on a flat streak, items skipped), or None when
+        ``flat_item_retry_prob`` is off."""
+        prob = self.config.flat_item_retry_prob
+        current = self.__dict__.get("_flat_items")
+        if prob is None:
+            return None
+        if current is None or current.retry_prob != prob:
+            current = self.__dict__["_flat_items"] = FlatItemFilter(prob)
+        return current
 
     @abstractmethod
     async def evaluate(self, *args: Any, **kwargs: Any) -> Any:

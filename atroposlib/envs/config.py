@@ -207,6 +207,15 @@ class BaseEnvConfig(BaseModel):
         description="Seconds to keep retrying one send to the API while it is down, "
         "restarting, failing (5xx) or full (429) before the data is counted as lost",
     )
+    flat_item_retry_prob: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Selective rollouts (GRESO): an item whose last k groups in a row all scored "
+        "alike is rolled out again with probability p**k, otherwise skipped before generating "
+        "(items recognised by content; a group with a signal resets k). None: every item drawn "
+        "is rolled out (upstream)",
+    )
 
     @field_validator("reasoning_effort")
     @classmethod

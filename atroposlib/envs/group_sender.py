@@ -131,13 +131,18 @@ class GroupSender:
         groups = scored_data if was_list else [scored_data]
         valid: list[ScoredDataGroup] = []
         version = rollout_policy_version()
+        flat = signal = 0  # groups that scored alike / valid groups that did not
         for group in groups:
             if group is None:
                 continue
             reason = self.check_group(group, abort_on_any_max_length_exceeded)
+            scores = group.get("scores") if reason != "malformed" else None
+            alike = bool(scores) and len(scores) > 1 and len(set(scores)) == 1
+            flat += alike  # kept (not dropped) where ensure_scores_are_not_same is off
             if reason is not None:
                 self.drop_counts[reason] += 1
                 continue
+            signal += not alike
             if version is not None and group.get("policy_version") is None:
                 group["policy_version"] = version
             for key in ("ref_logprobs", "overrides", "group_overrides"):
@@ -155,6 +160,10 @@ class GroupSender:
                 # the trainer step the group was made at, for the rollout page's headers
                 env.jsonl_writer.write({**group, "step": env.curr_step})
             valid.append(group)
+        selective = getattr(env, "flat_items", None)
+        if selective is not None and (valid or flat):
+            # the item's history for selective rollouts: flat when no group had a signal
+            selective.record(item, flat=signal == 0)
         if valid and do_send_to_api:
             self.items_sent_this_step += len(valid)
             payload: Any = valid[0] if not was_list and len(valid) == 1 else valid
@@ -214,12 +223,17 @@ class GroupSender:
         since, reported = self._flat_report
         now, total = time.monotonic(), self.drop_counts["same_scores"] + 1
         if now - since >= every:
+            selective = getattr(self.env, "flat_items", None)
             logger.info(
                 "%d group(s) dropped in the last %.0f s: all replies scored alike, no learning "
-                "signal (ensure_scores_are_not_same); %d sent so far",
+                "signal (ensure_scores_are_not_same); %d sent so far%s",
                 total - reported,
                 now - since,
                 self.groups_sent,
+                ""
+                if selective is None
+                else f"; {selective.skipped} item(s) skipped before rollout for scoring alike "
+                f"before (flat_item_retry_prob)",
             )
             self._flat_report = (now, total)
 

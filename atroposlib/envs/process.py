@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from atroposlib.envs.runtime import record_failure, shutdown_env
+from atroposlib.envs.selective import next_rollout_item
 from atroposlib.type_definitions import Item
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ async def process(env: BaseEnv) -> None:
     try:
         while done < target:
             while not exhausted and len(running) < min(env.max_num_workers, target - done):
-                item = await env.get_next_item()
+                item = await next_rollout_item(env)
                 if item is None:
                     exhausted = True
                     break

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from atroposlib.envs import throttle
 from atroposlib.envs.config import EvalHandlingEnum
 from atroposlib.envs.pinned_eval import pinned_evaluate
+from atroposlib.envs.selective import next_rollout_item
 from atroposlib.envs.server_handling.policy_version import end_rollout, start_rollout
 from atroposlib.type_definitions import UUID, Item
 
@@ -232,13 +233,16 @@ class ServeLoop:
         except Exception as exc:  # noqa: BLE001
             logger.debug("closing servers: %s", exc)
         env._wandb_logging.finish()
+        selective = getattr(env, "flat_items", None)
+        skipped = "" if selective is None else f", {selective.skipped} items skipped (flat)"
         logger.info(
             "Env stopped: %d groups sent, %d rollouts retried, %d surplus rollouts cancelled "
-            "(queue full), dropped: %s",
+            "(queue full), dropped: %s%s",
             env.groups_sent,
             self.retried_rollouts,
             self.cancelled_surplus,
             dict(env.drop_counts) or "none",
+            skipped,
         )
 
     # ------------------------------------------------------------------ decisions
@@ -335,7 +339,7 @@ class ServeLoop:
             elif self.backlog:
                 item, attempts = self.backlog.pop(), 0
             else:
-                item, attempts = await env.get_next_item(), 0
+                item, attempts = await next_rollout_item(env), 0
                 if item is None:
                     break
             self._spawn(item, attempts, surplus=len(self.workers) >= plain)

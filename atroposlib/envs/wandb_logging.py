@@ -172,6 +172,9 @@ class WandbLogging:
         for reason, count in env.drop_counts.items():
             metrics_dict[f"train/dropped_{reason}"] = count
         metrics_dict["train/retried_rollouts"] = env.retried_rollouts
+        selective = getattr(env, "flat_items", None)
+        if selective is not None:
+            metrics_dict["train/skipped_flat_items"] = selective.skipped
         return metrics_dict
 
     def _completion_length_stats(self, wandb_metrics: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """A test environment written only against upstream's public API, so the same file runs with
 our atroposlib and with upstream's 0.4.0.
 
-Items are 0, 1, 2, ... (``--env.num_items`` of them, then ``get_next_item`` returns None).
+Items are 0, 1, 2, ... (``--env.num_items`` of them, then ``get_next_item`` returns None;
+``--env.cycle N`` makes them repeat, 0..N-1, and items below ``--env.flat_below`` score alike).
 A group for item ``i`` has ``group_size`` sequences ``[1000 + i, 7, 8, s]`` with mask
 ``[-100, -100, 8, s]`` and distinct scores. Each rollout sleeps ``rollout_delay`` seconds and,
 when ``start_log`` is set, appends ``i`` to that file as it starts (to count rollouts).
@@ -22,6 +23,8 @@ class CountingConfig(BaseEnvConfig):
     rollout_delay: float = Field(default=0.0, description="Seconds each rollout sleeps")
     start_log: str = Field(default="", description="File to append started item ids to")
     fail_first_attempt: bool = Field(default=False, description="Every item's first rollout raises")
+    cycle: int = Field(default=0, description="If > 0, items repeat: item i is i % cycle")
+    flat_below: int = Field(default=0, description="Items below this score all alike (flat)")
 
 
 class CountingEnv(BaseEnv):
@@ -50,6 +53,8 @@ class CountingEnv(BaseEnv):
         if self.next_id >= self.config.num_items:
             return None
         self.next_id += 1
+        if self.config.cycle > 0:
+            return (self.next_id - 1) % self.config.cycle
         return self.next_id - 1
 
     async def collect_trajectories(self, item):
@@ -65,6 +70,8 @@ class CountingEnv(BaseEnv):
         group["tokens"] = [[1000 + item, 7, 8, s] for s in range(self.config.group_size)]
         group["masks"] = [[-100, -100, 8, s] for s in range(self.config.group_size)]
         group["scores"] = [float(s) for s in range(self.config.group_size)]
+        if item < self.config.flat_below:
+            group["scores"] = [1.0] * self.config.group_size
         return group, []
 
     async def evaluate(self, *args, **kwargs):

@@ -26,11 +26,12 @@ from tests.envs.helpers import REPO, start_env, stop
 VERSION_ENV = Path(__file__).with_name("version_eval_env.py")
 
 
-def _env_flags(api: ApiProcess, server: ServeProcess, tokenizer: Path, name: str, *extra: str):
+def _env_flags(api: ApiProcess, server: ServeProcess, tokenizer: Path, name: str, *extra: str,
+               delay: float = 0.05):  # fmt: skip
     return (
         "--env.rollout_server_url", api.url, "--env.group_size", "2",
         "--env.tokenizer_name", str(tokenizer), "--env.use_wandb", "false",
-        "--env.steps_per_eval", "0", "--env.wandb_name", name, "--env.rollout_delay", "0.05",
+        "--env.steps_per_eval", "0", "--env.wandb_name", name, "--env.rollout_delay", str(delay),
         "--openai.base_url", f"{server.url}/v1", "--openai.model_name", "tiny",
         "--openai.server_type", "atropos-serve", "--openai.tokenizer_name", str(tokenizer),
         "--openai.api_key", "x", *extra,
@@ -38,12 +39,12 @@ def _env_flags(api: ApiProcess, server: ServeProcess, tokenizer: Path, name: str
 
 
 def _start(api: ApiProcess, server: ServeProcess, tokenizer: Path, tmp_path: Path, name: str,
-           *extra: str):  # fmt: skip
+           *extra: str, delay: float = 0.05):  # fmt: skip
     """One ``version_eval_env.py serve`` process named ``name``, logging to tmp_path."""
     return start_env(
         VERSION_ENV,
         "serve",
-        *_env_flags(api, server, tokenizer, name, *extra),
+        *_env_flags(api, server, tokenizer, name, *extra, delay=delay),
         log=tmp_path / f"{name}.log",
         cwd=REPO,
     )
@@ -187,7 +188,15 @@ def test_example_trainer_barrier_logs_each_env_s_result_with_its_step(
         tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
         log_path=tmp_path / "serve.log",
     ).start()  # fmt: skip
-    envs = [_start(api, server, tiny_model_dir, tmp_path, name) for name in ("alpha", "beta")]
+    # Each env owns half of every batch and a rollout takes 1 s: both must have registered
+    # (they poll run-api once a second after the trainer's first /batch) before step 2's
+    # evaluation is requested. With fast rollouts, one env alone could feed steps 1-2 before the
+    # other's next poll, and the request rightly did not expect an env that was not connected.
+    envs = [
+        _start(api, server, tiny_model_dir, tmp_path, name, "--env.min_batch_allocation", "0.5",
+               delay=1.0)
+        for name in ("alpha", "beta")
+    ]  # fmt: skip
     try:
         # Both envs up and polling run-api before the trainer starts: an eval request expects
         # the envs connected when it is made, and envs register only once a trainer has; under
