@@ -232,8 +232,8 @@ class GroupSender:
                 self.groups_sent,
                 ""
                 if selective is None
-                else f"; {selective.skipped} item(s) skipped before rollout for scoring alike "
-                f"before (flat_item_retry_prob)",
+                else f"; {selective.skipped} item(s) skipped before rollout, flat the last "
+                "time (flat_item_retry_prob)",
             )
             self._flat_report = (now, total)
 

@@ -3,8 +3,8 @@
 A group whose replies all score the same has no learning signal under a group baseline (every
 advantage is zero), and with ``ensure_scores_are_not_same`` it is dropped after the whole group
 was generated. When items recur (a small problem space, several epochs over a dataset), an item
-that came back flat last time is likely to come back flat again: problems the policy always
-solves or never does. GRESO (Zheng et al., 2025, "Act Only When It Pays: Efficient
+that came back flat last time may well come back flat again: problems the policy always solves
+or never does. GRESO (Zheng et al., 2025, "Act Only When It Pays: Efficient
 Reinforcement Learning for LLM Reasoning via Selective Rollouts") skips such prompts before
 generating, with a probability that grows with how many times in a row they were flat, and
 keeps exploring them with the rest.
@@ -12,7 +12,9 @@ keeps exploring them with the rest.
 :class:`FlatItemFilter` does that for an env: ``flat_item_retry_prob = p`` asks an item again
 with probability ``p ** k`` after its last ``k`` groups in a row were flat (a group with a signal
 resets ``k``), so nothing is excluded for good and an item the policy has grown into comes back.
-Off (``None``) by default, as upstream: every item drawn is rolled out.
+Off (``None``) by default, as upstream: every item drawn is rolled out. Whether it pays depends
+on how lasting an item's flatness is: on the arithmetic-learn recipe it did not (an item that
+came back flat was about as likely to be flat again as any other; example_trainer/README.md).
 
 Items are recognised by their content (:func:`item_key`): the same problem drawn twice is the
 same item, whatever object holds it. Only the history of flat items is kept (an entry per item
@@ -22,11 +24,8 @@ currently on a flat streak).
 from __future__ import annotations
 
 import json
-import logging
 import random
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 #: Draws in a row an env may skip before it rolls out what it drew anyway (a policy for which
 #: nearly every item is flat must still produce groups, and get_next_item must not spin).
