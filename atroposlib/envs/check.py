@@ -197,6 +197,7 @@ def _end_tokens(tokenizer: Any) -> set[int]:
 
 
 def _check_one_group(env: Any, group: Any, where: str, report: EnvCheckReport) -> None:
+    from atroposlib.envs.group_sender import scored_alike
     from atroposlib.schema import GroupError, ScoredData, check_group
 
     if not isinstance(group, dict):
@@ -263,7 +264,7 @@ def _check_one_group(env: Any, group: Any, where: str, report: EnvCheckReport) -
             cut += 1
         elif ends and seq[trained[-1]] not in ends:
             unterminated += 1
-    if len(scores) > 1 and len(set(scores)) == 1:
+    if scored_alike(scores):
         report.warn(
             where,
             f"scores: all {len(scores)} equal ({scores[0]}): no learning signal in this group",

@@ -98,6 +98,12 @@ def group_from_trajectories(
     return group, backlog
 
 
+def scored_alike(scores: Any) -> bool:
+    """Whether a group's ``scores`` are several and all equal: no learning signal under a group
+    baseline (what ``ensure_scores_are_not_same`` drops; a group of one is never "alike")."""
+    return bool(scores) and len(scores) > 1 and len(set(scores)) == 1
+
+
 class GroupSender:
     """Checks, records and sends an env's groups (``env._group_sender``).
 
@@ -136,8 +142,7 @@ class GroupSender:
             if group is None:
                 continue
             reason = self.check_group(group, abort_on_any_max_length_exceeded)
-            scores = group.get("scores") if reason != "malformed" else None
-            alike = bool(scores) and len(scores) > 1 and len(set(scores)) == 1
+            alike = reason != "malformed" and scored_alike(group.get("scores"))
             flat += alike  # kept (not dropped) where ensure_scores_are_not_same is off
             if reason is not None:
                 self.drop_counts[reason] += 1
@@ -199,7 +204,7 @@ class GroupSender:
             )
             return "group_size"
         scores = group["scores"]
-        if env.config.ensure_scores_are_not_same and len(scores) > 1 and len(set(scores)) == 1:
+        if env.config.ensure_scores_are_not_same and scored_alike(scores):
             logger.debug("Dropping a group whose scores are all %s", scores[0])
             self._report_flat_groups()
             return "same_scores"

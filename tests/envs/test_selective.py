@@ -68,6 +68,28 @@ def test_config_bounds() -> None:
             BaseEnvConfig(flat_item_retry_prob=bad)
 
 
+def _recurring_flags(tiny_model_dir: Path, starts: Path) -> list[str]:
+    """The counting env with items 0-9 drawn over and over, 0-4 always scoring alike, two
+    rollouts at a time, each start logged to ``starts``."""
+    return [
+        "--env.tokenizer_name",
+        str(tiny_model_dir),
+        "--env.cycle",
+        "10",
+        "--env.flat_below",
+        "5",
+        "--env.max_num_workers",
+        "2",
+        "--env.start_log",
+        str(starts),
+    ]
+
+
+def _starts(path: Path) -> collections.Counter:
+    """Rollouts started per item, from the env's start log."""
+    return collections.Counter(int(x) for x in path.read_text().split())
+
+
 def _process_starts(tmp_path: Path, tiny_model_dir: Path, *flags: str) -> collections.Counter:
     tmp_path.mkdir()
     starts = tmp_path / "starts.txt"
@@ -77,18 +99,9 @@ def _process_starts(tmp_path: Path, tiny_model_dir: Path, *flags: str) -> collec
             sys.executable,
             str(COUNTING_ENV),
             "process",
-            "--env.tokenizer_name",
-            str(tiny_model_dir),
-            "--env.cycle",
-            "10",
-            "--env.flat_below",
-            "5",
+            *_recurring_flags(tiny_model_dir, starts),
             "--env.total_steps",
             "40",
-            "--env.max_num_workers",
-            "2",
-            "--env.start_log",
-            str(starts),
             "--env.data_path_to_save_groups",
             str(out),
             "--env.use_wandb",
@@ -103,7 +116,7 @@ def _process_starts(tmp_path: Path, tiny_model_dir: Path, *flags: str) -> collec
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 40  # 40 groups with a signal either way
-    return collections.Counter(int(x) for x in starts.read_text().split())
+    return _starts(starts)
 
 
 def test_process_rolls_out_flat_items_less_often(tmp_path: Path, tiny_model_dir) -> None:
@@ -137,16 +150,7 @@ def test_serve_skips_items_whose_groups_were_dropped_as_flat(
         "serve",
         "--env.rollout_server_url",
         api.url,
-        "--env.tokenizer_name",
-        str(tiny_model_dir),
-        "--env.cycle",
-        "10",
-        "--env.flat_below",
-        "5",
-        "--env.max_num_workers",
-        "2",
-        "--env.start_log",
-        str(starts),
+        *_recurring_flags(tiny_model_dir, starts),
         "--env.flat_item_retry_prob",
         "0.2",
         log=tmp_path / "env.log",
@@ -158,5 +162,5 @@ def test_serve_skips_items_whose_groups_were_dropped_as_flat(
         trainer.close()
     ids = collections.Counter(g["tokens"][0][0] - 1000 for g in trainer.groups())
     assert set(ids) <= set(range(5, 10))  # flat groups never reach the trainer
-    started = collections.Counter(int(x) for x in starts.read_text().split())
+    started = _starts(starts)
     assert sum(started[i] for i in range(5)) <= 15, started
