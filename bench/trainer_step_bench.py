@@ -125,8 +125,9 @@ def main() -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="weight dtype (auto: the trainer's choice, bf16 on a GPU that has it, else fp32)",
+        choices=["auto", "float32", "bf16-mixed", "bfloat16"],
+        help="training precision, as the trainer's --dtype (auto: bf16-mixed on a GPU that "
+        "has bfloat16, else float32)",
     )
     args = parser.parse_args()
     for layout in args.layouts:
@@ -143,17 +144,19 @@ def main() -> None:
     from example_trainer.config import TrainingConfig
     from example_trainer.data import prepare_batch
     from example_trainer.forward import check_fast_path
-    from example_trainer.grpo import resolve_dtype, train_step
+    from example_trainer.grpo import autocast, compute_dtype, resolve_dtype, train_step
 
     path = resolve_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     device = args.device
-    dtype = resolve_dtype(TrainingConfig(model_name=path, device=device, dtype=args.dtype))
-    dtype_name = str(dtype).removeprefix("torch.")
+    precision = TrainingConfig(model_name=path, device=device, dtype=args.dtype)
+    dtype = resolve_dtype(precision)
+    dtype_name = str(compute_dtype(precision)).removeprefix("torch.")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
     model.config.use_cache = False
-    fast_ok = check_fast_path(model, device)
+    with autocast(precision):
+        fast_ok = check_fast_path(model, device)
     flops = model_flops(model)
     peak = gemm_peak(device, dtype_name, torch.get_num_threads())
     flops_done: dict[str, float] = {}
@@ -189,7 +192,9 @@ def main() -> None:
                 getattr(model, "activation_checkpointing_disable", None)
                 or model.gradient_checkpointing_disable
             )()
-        config = TrainingConfig(model_name=path, device=device, batch_size=args.micro_batch)
+        config = TrainingConfig(
+            model_name=path, device=device, batch_size=args.micro_batch, dtype=args.dtype
+        )
         batch = prepare_batch(
             raw,
             args.micro_batch,
@@ -239,7 +244,8 @@ def main() -> None:
         if device.startswith("cuda")
         else f"{torch.get_num_threads()} threads"
     )
-    print(f"device {device} ({where}), weights {dtype_name}")
+    weights = str(dtype).removeprefix("torch.")
+    print(f"device {device} ({where}), weights {weights}, arithmetic {dtype_name}")
     print(f"GEMM peak ({dtype_name}, {where}): {peak / 1e9:.1f} GFLOP/s")
     header = f"{'layout':10s} {'s/step':>7s} {'batch tok/s':>12s} {'computed tok/s':>15s}"
     print(header + f" {'computed/batch':>15s} {'mfu':>6s} {'speed-up':>9s}")

@@ -164,6 +164,13 @@ def policy_logprobs(
     return out
 
 
+def _low_precision(model: torch.nn.Module, device: str | torch.device) -> bool:
+    """Whether ``model`` computes in 16 bits here: 16-bit weights, or autocast on."""
+    if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+        return True
+    return torch.is_autocast_enabled(torch.device(device).type)
+
+
 def packed_attention_mask(
     model: torch.nn.Module, visible: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -244,8 +251,7 @@ def check_packed_path(model: torch.nn.Module, device: str | torch.device) -> boo
         # rows come out in the same (lexicographic) order in both layouts only by chance:
         # compare as sorted values
         got, want = got.sort().values, want.sort().values
-        low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        tolerance = 5e-2 if low_precision else 2e-3
+        tolerance = 5e-2 if _low_precision(model, device) else 2e-3
         ok = bool(torch.allclose(got, want, atol=tolerance, rtol=tolerance))
     except Exception as exc:  # noqa: BLE001 - any failure means: do not pack
         logger.info("packed rows unavailable for this model (%s)", exc)
@@ -287,8 +293,7 @@ def check_fast_path(model: torch.nn.Module, device: str | torch.device) -> bool:
         )
         fast = policy_logprobs(model, mb, device, fast=True)
         slow = policy_logprobs(model, mb, device, fast=False)
-        low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        tolerance = 5e-2 if low_precision else 2e-3
+        tolerance = 5e-2 if _low_precision(model, device) else 2e-3
         ok = bool(torch.allclose(fast, slow, atol=tolerance, rtol=tolerance))
     except Exception as exc:  # noqa: BLE001 - any failure means: use the plain path
         logger.info("fast log-prob path unavailable for this model (%s)", exc)

@@ -15,6 +15,8 @@ process management: ``example_trainer/inference_process.py``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import sys
@@ -27,7 +29,13 @@ import torch
 
 from atroposlib.inference.models import resolve_model_source
 from atroposlib.testing.report import report_from_env
-from atroposlib.trainer.throughput import gemm_peak, model_flops, step_throughput
+from atroposlib.trainer.throughput import (
+    BF16_SPEEDUP_FOR_MIXED,
+    bf16_speedup,
+    gemm_peak,
+    model_flops,
+    step_throughput,
+)
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
 from example_trainer.checkpoint import (
@@ -52,15 +60,107 @@ logger = logging.getLogger("example_trainer")
 # ---------------------------------------------------------------------------------- setup
 
 
+def resolve_precision(config: TrainingConfig) -> str:
+    """``config.dtype`` with ``auto`` resolved: ``bf16-mixed`` where bfloat16 matrix products
+    are measured at least :data:`~atroposlib.trainer.throughput.BF16_SPEEDUP_FOR_MIXED` times
+    faster than float32 ones on the training device (GPUs, CPUs with AVX-512 BF16 or AMX),
+    else ``float32`` (CPUs that emulate bfloat16)."""
+    if config.dtype != "auto":
+        return config.dtype
+    return _auto_precision(str(config.device), config.torch_threads or torch.get_num_threads())
+
+
+@functools.cache
+def _auto_precision(device: str, threads: int) -> str:
+    speedup = bf16_speedup(device, threads)
+    precision = "bf16-mixed" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
+    logger.info(
+        "precision auto: %s (bfloat16 matrix products run %.2fx as fast as float32 ones here)",
+        precision,
+        speedup,
+    )
+    return precision
+
+
 def resolve_dtype(config: TrainingConfig) -> torch.dtype:
-    """The training dtype: bfloat16 on a bf16-capable GPU for ``auto``, else float32."""
-    if config.dtype == "bfloat16":
-        return torch.bfloat16
-    if config.dtype == "float32":
-        return torch.float32
-    if config.device.startswith("cuda") and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    """The dtype the trained weights are kept in (and synced to the server in): bfloat16 only
+    for ``dtype=bfloat16``; float32 otherwise, ``bf16-mixed`` included."""
+    return torch.bfloat16 if resolve_precision(config) == "bfloat16" else torch.float32
+
+
+def compute_dtype(config: TrainingConfig) -> torch.dtype:
+    """The dtype the forward and backward passes' matrix products run in, and so the one the
+    inference server must compute in for its samples to come from the trainer's policy."""
+    return torch.float32 if resolve_precision(config) == "float32" else torch.bfloat16
+
+
+def autocast(config: TrainingConfig) -> contextlib.AbstractContextManager[Any]:
+    """The context the forward pass and loss run in: bfloat16 autocast for ``bf16-mixed``
+    (the backward pass follows the forward's dtypes by itself), nothing otherwise."""
+    if resolve_precision(config) != "bf16-mixed":
+        return contextlib.nullcontext()
+    device_type = torch.device(config.device).type
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+
+
+def rounded_away_fraction(model: torch.nn.Module, update: float) -> float:
+    """The fraction of ``model``'s low-precision weights that an update of size ``update``
+    leaves unchanged (``w + update == w`` in the weight's own dtype); 0.0 for float32 weights.
+
+    An AdamW step moves each weight by about the learning rate, so for pure-bfloat16 training
+    this is (a lower bound of) the share of weights that never move."""
+    lost = total = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype not in (torch.bfloat16, torch.float16) or not param.requires_grad:
+                continue
+            lost += int((param + update == param).sum())
+            total += param.numel()
+    return lost / total if total else 0.0
+
+
+def warn_if_updates_round_away(model: torch.nn.Module, config: TrainingConfig) -> float:
+    """Warn when ``model``'s 16-bit weights would round an update of ``config.lr`` away on
+    more than a tenth of them (pure-bfloat16 training at a small learning rate); returns that
+    fraction."""
+    lost = rounded_away_fraction(model, config.lr)
+    if lost > 0.1:
+        logger.warning(
+            "dtype=%s: an update of lr=%g leaves %.0f%% of the weights unchanged (bfloat16 "
+            "keeps ~3 significant digits), so most of the model will not train; use --dtype "
+            "bf16-mixed (float32 weights, bfloat16 arithmetic) or float32",
+            config.dtype,
+            config.lr,
+            100 * lost,
+        )
+    return lost
+
+
+def check_server_precision(config: TrainingConfig) -> str | None:
+    """Warn when an atropos-serve at ``config.inference_url`` computes in another dtype than
+    the trainer (its ``/health`` reports it): its samples then come from another policy (a
+    float32 server for bf16-mixed training clipped 58% of tokens and collapsed). Returns the
+    warning, or None (same dtype, another server kind, or no answer)."""
+    if config.inference != "atropos-serve":
+        return None
+    import httpx
+
+    want = str(compute_dtype(config)).removeprefix("torch.")
+    for url in (u.strip().rstrip("/") for u in config.inference_url.split(",") if u.strip()):
+        try:
+            served = httpx.get(url + "/health", timeout=10).json().get("dtype")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            continue
+        if served and served != want:
+            message = (
+                f"atropos-serve at {url} computes in {served}, this trainer in {want} "
+                f"(--dtype {resolve_precision(config)}): its samples come from another policy "
+                f"than the one trained; restart it with --dtype {want} or train with "
+                f"--dtype {'float32' if served == 'float32' else 'bf16-mixed'}"
+            )
+            logger.warning(message)
+            return message
+    return None
 
 
 def load_policy(source: str, config: TrainingConfig) -> tuple[torch.nn.Module, Any]:
@@ -142,23 +242,24 @@ def train_step(
     forward_seconds = backward_seconds = 0.0
     for mb in batch.micro_batches:
         started = time.perf_counter()
-        logp = policy_logprobs(model, mb, device, fast=fast, stats=entropy)
-        ref_logp = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_logp = policy_logprobs(ref_model, mb, device, fast=fast)
-        loss, metrics = grpo_loss(
-            logp,
-            mb.advantages.to(device),
-            mb.mask.to(device),
-            mb.old_logprobs.to(device),
-            ref_logp,
-            clip_eps=config.clip_eps,
-            kl_coef=config.kl_coef,
-            normalization=config.loss_normalization,
-            num_sequences=batch.num_sequences,
-            num_tokens=batch.num_tokens,
-        )
+        with autocast(config):  # bf16-mixed: the backward pass follows the forward's dtypes
+            logp = policy_logprobs(model, mb, device, fast=fast, stats=entropy)
+            ref_logp = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = policy_logprobs(ref_model, mb, device, fast=fast)
+            loss, metrics = grpo_loss(
+                logp,
+                mb.advantages.to(device),
+                mb.mask.to(device),
+                mb.old_logprobs.to(device),
+                ref_logp,
+                clip_eps=config.clip_eps,
+                kl_coef=config.kl_coef,
+                normalization=config.loss_normalization,
+                num_sequences=batch.num_sequences,
+                num_tokens=batch.num_tokens,
+            )
         backward_started = time.perf_counter()
         forward_seconds += backward_started - started
         loss.backward()
@@ -239,12 +340,23 @@ def train(
     # a folder vLLM and atropos-serve can load (the packaged SmolLM2 is converted once)
     start_model = str(resume_from or resolve_model_source(config.model_name))
     model, tokenizer = load_policy(start_model, config)
-    fast = check_fast_path(model, config.device)
-    pack_tokens = config.resolved_pack_tokens()
-    if pack_tokens and not check_packed_path(model, config.device):
-        pack_tokens = 0
+    precision = resolve_precision(config)
+    warn_if_updates_round_away(model, config)
+    if precision != "float32":
+        logger.info(
+            "precision %s: the inference server should compute in bfloat16 too "
+            "(atropos-serve --dtype bfloat16; atropos-quickstart does this), or its samples "
+            "come from another policy than the one trained",
+            precision,
+        )
+    with autocast(config):  # the paths are compared in the precision they will run in
+        fast = check_fast_path(model, config.device)
+        pack_tokens = config.resolved_pack_tokens()
+        if pack_tokens and not check_packed_path(model, config.device):
+            pack_tokens = 0
     logger.info(
-        "log-probabilities: %s; %s",
+        "precision: %s; log-probabilities: %s; %s",
+        precision,
         "trained positions only" if fast else "full forward pass",
         f"sequences packed ({pack_tokens} tokens per pass, shared beginnings once)"
         if pack_tokens
@@ -252,7 +364,7 @@ def train(
     )
     flops = model_flops(model)
     peak_flops = config.peak_flops or gemm_peak(
-        str(config.device), str(next(model.parameters()).dtype).removeprefix("torch."),
+        str(config.device), str(compute_dtype(config)).removeprefix("torch."),
         torch.get_num_threads(),
     )  # fmt: skip
     if peak_flops:
@@ -292,6 +404,7 @@ def train(
     )
     sync = make_weight_sync(config)
     sync.attach(model)
+    check_server_precision(config)
     api = TrainerAPIClient(config.atropos_url)
     paused = False
     final: Path | None = None

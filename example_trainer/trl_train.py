@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from example_trainer.config import TrainingConfig
-from example_trainer.grpo import StepCallback
+from example_trainer.grpo import StepCallback, resolve_precision
 
 logger = logging.getLogger("example_trainer.trl")
 
@@ -71,7 +71,8 @@ def grpo_config(config: TrainingConfig, *, num_generations: int, temperature: fl
         # activations are small at these sizes; recomputing them costs a third more compute
         activation_checkpointing=config.gradient_checkpointing,
         use_cpu=cpu,
-        bf16=config.dtype == "bfloat16",
+        # TRL keeps the float32 weights loaded below: bf16 is its autocast (bf16-mixed)
+        bf16=resolve_precision(config) != "float32",
         logging_steps=1,
         report_to=["wandb"] if config.use_wandb else [],
         save_strategy="no",

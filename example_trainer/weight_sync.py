@@ -75,6 +75,12 @@ def make_weight_sync(config: TrainingConfig) -> WeightSync:
     return weight_sync_client(config.inference, urls, weight_path=weight_path, **options)
 
 
+def _compute_dtype_name(config: TrainingConfig) -> str:
+    from example_trainer.grpo import compute_dtype
+
+    return str(compute_dtype(config)).removeprefix("torch.")
+
+
 def _launched_vllm(config: TrainingConfig) -> WeightSync:
     def build(model: str) -> list[str]:
         return vllm_command(
@@ -86,7 +92,15 @@ def _launched_vllm(config: TrainingConfig) -> WeightSync:
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
             # the trainer divides its logits by the sampling temperature: the server must report
             # the log-probs of that same distribution (vLLM's default is the raw one)
-            extra_args=["--logprobs-mode", "processed_logprobs", *config.vllm_extra_args],
+            # and compute in the trainer's arithmetic dtype (vLLM's auto would serve a float32
+            # checkpoint in float16: samples from another policy); --vllm-extra-args win
+            extra_args=[
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--dtype",
+                _compute_dtype_name(config),
+                *config.vllm_extra_args,
+            ],
         )
 
     common: dict[str, Any] = {

@@ -291,6 +291,8 @@ def create_app(state: ServerState) -> FastAPI:
             "weights_version": engine.weights_version,
             "policy_version": state.policy_version,
             "decode_path": engine.decode_path,
+            # the precision the model computes in: a trainer checks it against its own
+            "dtype": str(state.dtype).removeprefix("torch."),
             "paused": engine.paused,
             **engine.load(),
             "stats": dict(engine.stats),

@@ -33,6 +33,8 @@ from typing import Any
 
 __all__ = [
     "ModelFlops",
+    "BF16_SPEEDUP_FOR_MIXED",
+    "bf16_speedup",
     "gemm_peak",
     "measure_gemm_peak",
     "model_flops",
@@ -186,6 +188,38 @@ def gemm_peak(
     rates = measure_gemm_peak(device, dtype, threads)
     record_gemm_peak(device, dtype, threads, rates, path)
     return rates["peak"]
+
+
+#: ``auto`` precision trains in bf16-mixed where bfloat16 matrix products are at least this many
+#: times faster than float32 ones (:func:`bf16_speedup`); below it, the casts autocast adds are
+#: not paid back.
+BF16_SPEEDUP_FOR_MIXED = 1.5
+
+
+def bf16_speedup(
+    device: str = "cpu", threads: int | None = None, *, cache_path: Path | None = None
+) -> float:
+    """How many times faster bfloat16 matrix products run than float32 ones on ``device`` at
+    ``threads``: over 2 where the hardware has bfloat16 units (AVX-512 BF16 or AMX CPUs, GPUs),
+    ~0.01 where a CPU emulates them. Measured once on a small product (512, or 4096 on a GPU;
+    about a second, bounded even where bfloat16 is emulated) and cached per machine with the
+    GEMM peaks."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    path = cache_path or CACHE_PATH
+    key = _key(device, "bfloat16/float32", threads)
+    entry = _read_cache(path).get(key)
+    if entry is not None:
+        return float(entry["peak"])
+    size = 4096 if str(device).startswith("cuda") else 512
+    rates = {
+        dtype: measure_gemm_peak(device, dtype, threads, sizes=(size,), seconds=0.2)["peak"]
+        for dtype in ("float32", "bfloat16")
+    }
+    ratio = rates["bfloat16"] / rates["float32"]
+    record_gemm_peak(device, "bfloat16/float32", threads, {"peak": ratio, **rates}, path)
+    return ratio
 
 
 def step_throughput(

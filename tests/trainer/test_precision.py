@@ -1,0 +1,199 @@
+"""Training precision (``--dtype``): float32, bf16-mixed (float32 weights, bfloat16 autocast)
+and pure bfloat16, whose small updates round away.
+
+Pure-bfloat16 AdamW was the trainer's GPU default: at the recipes' learning rates (2e-5) an
+update is below half a bfloat16 step for almost every weight, so the model barely trains. On
+a GPU the default is now bf16-mixed; these tests run the same code on the CPU, where autocast
+to bfloat16 works too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from example_trainer.config import load_config
+from example_trainer.data import prepare_batch
+from example_trainer.grpo import (
+    compute_dtype,
+    load_policy,
+    make_optimizer,
+    resolve_dtype,
+    resolve_precision,
+    rounded_away_fraction,
+    train_step,
+    warn_if_updates_round_away,
+)
+from tests.trainer.test_loss_and_data import _sample_batch
+
+
+def _config(model: Path, dtype: str, lr: float = 2e-5):
+    return load_config(
+        ["--model", str(model), "--device", "cpu", "--dtype", dtype, "--lr", str(lr)]
+        + ["--warmup-steps", "0", "--inference", "none"]
+    )
+
+
+def _step(model: torch.nn.Module, config, *, optimizer=None) -> dict[str, float]:
+    batch = prepare_batch(_sample_batch(model.config.vocab_size, common=8), 3, pack_tokens=64)
+    optimizer = optimizer or make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return train_step(model, optimizer, scheduler, batch, config)
+
+
+def _changed(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> float:
+    changed = total = 0
+    for name, param in model.named_parameters():
+        changed += int((param.detach() != before[name]).sum())
+        total += param.numel()
+    return changed / total
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("speedup", "auto"), [(0.01, "float32"), (2.2, "bf16-mixed")])
+def test_auto_follows_the_measured_bf16_speed_and_the_server_computes_alike(
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    speedup: float,
+    auto: str,
+) -> None:
+    """auto: bf16-mixed where bfloat16 products are measured >= 1.5x faster (a CPU with
+    AVX-512 BF16: 2.2x), float32 where they are emulated (an AVX2 CPU: ~0.01x)."""
+    import example_trainer.grpo as grpo
+    from example_trainer.quickstart import _serve_dtype
+    from example_trainer.weight_sync import _compute_dtype_name
+
+    monkeypatch.setattr(grpo, "bf16_speedup", lambda device, threads: speedup)
+    grpo._auto_precision.cache_clear()
+    try:
+        expected = {  # --dtype: (resolved, weights, arithmetic and server)
+            "float32": ("float32", torch.float32, "float32"),
+            "bf16-mixed": ("bf16-mixed", torch.float32, "bfloat16"),
+            "bfloat16": ("bfloat16", torch.bfloat16, "bfloat16"),
+        }
+        expected["auto"] = expected[auto]
+        for dtype, (precision, weights, arithmetic) in expected.items():
+            config = _config(tiny_model_dir, dtype)
+            assert resolve_precision(config) == precision
+            assert resolve_dtype(config) == weights
+            assert str(compute_dtype(config)) == f"torch.{arithmetic}"
+            assert _serve_dtype(config) == arithmetic  # atropos-serve's --dtype
+            assert _compute_dtype_name(config) == arithmetic  # a launched vLLM's --dtype
+    finally:
+        grpo._auto_precision.cache_clear()
+    with pytest.raises(SystemExit):
+        load_config(["--model", "m", "--dtype", "bf16"])
+    assert "--dtype 'bf16'" in capsys.readouterr().err
+
+
+def test_bf16_speedup_is_measured_once_per_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from atroposlib.trainer import throughput
+
+    cache = tmp_path / "peaks.json"
+    ratio = throughput.bf16_speedup("cpu", 1, cache_path=cache)
+    assert 0 < ratio < 100
+    recorded = json.loads(cache.read_text())
+    (entry,) = recorded.values()
+    assert entry["peak"] == pytest.approx(entry["bfloat16"] / entry["float32"])
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(throughput, "measure_gemm_peak", no_measuring)
+    assert throughput.bf16_speedup("cpu", 1, cache_path=cache) == ratio
+
+
+def test_pure_bfloat16_rounds_small_updates_away_and_says_so(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(tiny_model_dir, "bfloat16")
+    model, _ = load_policy(str(tiny_model_dir), config)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with caplog.at_level(logging.WARNING, logger="example_trainer"):
+        lost = warn_if_updates_round_away(model, config)
+    assert lost > 0.5
+    assert "leaves" in caplog.text and "--dtype bf16-mixed" in caplog.text
+    before = _snapshot(model)
+    metrics = _step(model, config)
+    assert metrics["optimizer_step"] == 1.0 and metrics["grad_norm"] > 0
+    # the optimizer stepped with a real gradient, yet most weights did not move
+    assert _changed(model, before) < 1 - lost + 0.05
+    # a learning rate large enough for bfloat16's resolution: no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="example_trainer"):
+        assert warn_if_updates_round_away(model, _config(tiny_model_dir, "bfloat16", 1e-2)) < 0.1
+    assert caplog.text == ""
+
+
+def test_bf16_mixed_keeps_float32_weights_that_all_move(tiny_model_dir: Path) -> None:
+    config = _config(tiny_model_dir, "bf16-mixed")
+    model, _ = load_policy(str(tiny_model_dir), config)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert rounded_away_fraction(model, config.lr) == 0.0
+    before = _snapshot(model)
+    _step(model, config)
+    assert _changed(model, before) > 0.99
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_bf16_mixed_gradient_is_the_float32_gradient_at_bfloat16_accuracy(
+    tiny_model_dir: Path,
+) -> None:
+    """The same step in float32 and under bfloat16 autocast: same direction, not the same
+    numbers (so the autocast really ran)."""
+    grads = {}
+    for dtype in ("float32", "bf16-mixed"):
+        torch.manual_seed(0)
+        config = _config(tiny_model_dir, dtype)
+        model, _ = load_policy(str(tiny_model_dir), config)
+        optimizer = make_optimizer(model, config)
+
+        def capture(opt, args, kwargs, dtype=dtype) -> None:
+            flat = [p.grad.flatten() for g in opt.param_groups for p in g["params"]]
+            grads.setdefault(dtype, torch.cat(flat))
+
+        optimizer.register_step_pre_hook(capture)
+        _step(model, config, optimizer=optimizer)
+    exact, mixed = grads["float32"], grads["bf16-mixed"]
+    assert mixed.dtype == torch.float32
+    assert not torch.equal(exact, mixed)
+    cosine = torch.nn.functional.cosine_similarity(exact, mixed, dim=0)
+    assert cosine > 0.99, cosine
+    assert (mixed.norm() / exact.norm() - 1).abs() < 0.05
+
+
+def test_a_server_computing_in_another_dtype_is_named_in_a_warning(
+    tiny_model_dir: Path, tiny_serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A float32 atropos-serve (its /health says so) fits float32 training; bf16-mixed
+    training is warned that the samples come from another policy, with both remedies."""
+    from example_trainer.grpo import check_server_precision
+
+    health = httpx.get(tiny_serve.url + "/health").json()
+    assert health["dtype"] == "float32"
+
+    def checked(dtype: str) -> str | None:
+        config = load_config(
+            ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", dtype]
+            + ["--inference", "atropos-serve", "--inference-url", tiny_serve.url]
+        )
+        return check_server_precision(config)
+
+    with caplog.at_level(logging.WARNING, logger="example_trainer"):
+        assert checked("float32") is None
+        assert caplog.text == ""
+        message = checked("bf16-mixed")
+    assert message is not None and message in caplog.text
+    assert "computes in float32, this trainer in bfloat16" in message
+    assert "--dtype bfloat16" in message and "--dtype float32" in message
