@@ -141,11 +141,18 @@ def check_server_precision(config: TrainingConfig) -> str | None:
     the trainer (its ``/health`` reports it): its samples then come from another policy (a
     float32 server for bf16-mixed training clipped 58% of tokens and collapsed). Returns the
     warning, or None (same dtype, another server kind, or no answer)."""
+    want = str(compute_dtype(config)).removeprefix("torch.")
     if config.inference != "atropos-serve":
+        if config.inference != "none" and not (config.inference == "vllm" and config.launch_vllm):
+            logger.info(  # a launched vLLM is given --dtype; other servers cannot be asked
+                "the trainer computes in %s: the inference server should too (--dtype %s), "
+                "or its samples come from another policy than the one trained",
+                want,
+                want,
+            )
         return None
     import httpx
 
-    want = str(compute_dtype(config)).removeprefix("torch.")
     for url in (u.strip().rstrip("/") for u in config.inference_url.split(",") if u.strip()):
         try:
             served = httpx.get(url + "/health", timeout=10).json().get("dtype")
@@ -342,13 +349,6 @@ def train(
     model, tokenizer = load_policy(start_model, config)
     precision = resolve_precision(config)
     warn_if_updates_round_away(model, config)
-    if precision != "float32":
-        logger.info(
-            "precision %s: the inference server should compute in bfloat16 too "
-            "(atropos-serve --dtype bfloat16; atropos-quickstart does this), or its samples "
-            "come from another policy than the one trained",
-            precision,
-        )
     with autocast(config):  # the paths are compared in the precision they will run in
         fast = check_fast_path(model, config.device)
         pack_tokens = config.resolved_pack_tokens()
