@@ -144,14 +144,14 @@ def main() -> None:
     from example_trainer.config import TrainingConfig
     from example_trainer.data import prepare_batch
     from example_trainer.forward import check_fast_path
-    from example_trainer.grpo import autocast, compute_dtype, resolve_dtype, train_step
+    from example_trainer.grpo import autocast, compute_dtype_name, resolve_dtype, train_step
 
     path = resolve_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     device = args.device
     precision = TrainingConfig(model_name=path, device=device, dtype=args.dtype)
     dtype = resolve_dtype(precision)
-    dtype_name = str(compute_dtype(precision)).removeprefix("torch.")
+    dtype_name = compute_dtype_name(precision)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
     model.config.use_cache = False

@@ -94,6 +94,12 @@ def compute_dtype(config: TrainingConfig) -> torch.dtype:
     return torch.float32 if resolve_precision(config) == "float32" else torch.bfloat16
 
 
+def compute_dtype_name(config: TrainingConfig) -> str:
+    """:func:`compute_dtype` as a server's ``--dtype`` and the GEMM peak's key name it
+    (``float32`` or ``bfloat16``)."""
+    return str(compute_dtype(config)).removeprefix("torch.")
+
+
 def autocast(config: TrainingConfig) -> contextlib.AbstractContextManager[Any]:
     """The context the forward pass and loss run in: bfloat16 autocast for ``bf16-mixed``
     (the backward pass follows the forward's dtypes by itself), nothing otherwise."""
@@ -141,7 +147,7 @@ def check_server_precision(config: TrainingConfig) -> str | None:
     the trainer (its ``/health`` reports it): its samples then come from another policy (a
     float32 server for bf16-mixed training clipped 58% of tokens and collapsed). Returns the
     warning, or None (same dtype, another server kind, or no answer)."""
-    want = str(compute_dtype(config)).removeprefix("torch.")
+    want = compute_dtype_name(config)
     if config.inference != "atropos-serve":
         if config.inference != "none" and not (config.inference == "vllm" and config.launch_vllm):
             logger.info(  # a launched vLLM is given --dtype; other servers cannot be asked
@@ -364,7 +370,7 @@ def train(
     )
     flops = model_flops(model)
     peak_flops = config.peak_flops or gemm_peak(
-        str(config.device), str(compute_dtype(config)).removeprefix("torch."),
+        str(config.device), compute_dtype_name(config),
         torch.get_num_threads(),
     )  # fmt: skip
     if peak_flops:

@@ -624,9 +624,9 @@ def _serve_dtype(config: Any) -> str:
     """atropos-serve's ``--dtype``: the dtype the trainer computes in (``bfloat16`` for
     ``bf16-mixed``: its float32 weights are rounded to bfloat16 on the server as autocast
     rounds them in the trainer)."""
-    from example_trainer.grpo import compute_dtype
+    from example_trainer.grpo import compute_dtype_name
 
-    return str(compute_dtype(config)).removeprefix("torch.")
+    return compute_dtype_name(config)
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:

@@ -75,13 +75,9 @@ def make_weight_sync(config: TrainingConfig) -> WeightSync:
     return weight_sync_client(config.inference, urls, weight_path=weight_path, **options)
 
 
-def _compute_dtype_name(config: TrainingConfig) -> str:
-    from example_trainer.grpo import compute_dtype
-
-    return str(compute_dtype(config)).removeprefix("torch.")
-
-
 def _launched_vllm(config: TrainingConfig) -> WeightSync:
+    from example_trainer.grpo import compute_dtype_name  # grpo imports this module
+
     def build(model: str) -> list[str]:
         return vllm_command(
             model,
@@ -98,7 +94,7 @@ def _launched_vllm(config: TrainingConfig) -> WeightSync:
                 "--logprobs-mode",
                 "processed_logprobs",
                 "--dtype",
-                _compute_dtype_name(config),
+                compute_dtype_name(config),
                 *config.vllm_extra_args,
             ],
         )

@@ -69,8 +69,9 @@ def test_auto_follows_the_measured_bf16_speed_and_the_server_computes_alike(
     """auto: bf16-mixed where bfloat16 products are measured >= 1.5x faster (a CPU with
     AVX-512 BF16: 2.2x), float32 where they are emulated (an AVX2 CPU: ~0.01x)."""
     import example_trainer.grpo as grpo
+    from example_trainer.grpo import compute_dtype_name
     from example_trainer.quickstart import _serve_dtype
-    from example_trainer.weight_sync import _compute_dtype_name
+    from example_trainer.weight_sync import make_weight_sync
 
     monkeypatch.setattr(grpo, "bf16_speedup", lambda device, threads: speedup)
     grpo._auto_precision.cache_clear()
@@ -87,7 +88,11 @@ def test_auto_follows_the_measured_bf16_speed_and_the_server_computes_alike(
             assert resolve_dtype(config) == weights
             assert str(compute_dtype(config)) == f"torch.{arithmetic}"
             assert _serve_dtype(config) == arithmetic  # atropos-serve's --dtype
-            assert _compute_dtype_name(config) == arithmetic  # a launched vLLM's --dtype
+            assert compute_dtype_name(config) == arithmetic
+            # a vLLM the trainer launches: the last --dtype of its command line wins
+            vllm = make_weight_sync(config.model_copy(update={"inference": "vllm"}))
+            argv = vllm.build_command("m")
+            assert argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1] == arithmetic
     finally:
         grpo._auto_precision.cache_clear()
     with pytest.raises(SystemExit):
