@@ -36,7 +36,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="the server's --dtype")
+    parser.add_argument(
+        "--trainer-dtype",
+        default="float32",
+        help="dtype of the trainer's weights (float32 for --dtype bf16-mixed training)",
+    )
+    parser.add_argument(
+        "--paths",
+        default="disk,shm_after_disk,shm",
+        help="comma-separated, in round order: disk, shm_after_disk, shm",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,18 +70,21 @@ def main() -> None:
     ).start()  # fmt: skip
     try:
         server.wait_ready(url + "/health", timeout=300)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, args.trainer_dtype)
+        )
         tokenizer = AutoTokenizer.from_pretrained(source)
         disk = AtroposServeReload(url, transport="disk")
         memory = AtroposServeReload(url, transport="shm")
         memory.attach(model)
-        times: dict[str, list[float]] = {"disk": [], "shm_after_disk": [], "shm": []}
+        labels = [label.strip() for label in args.paths.split(",") if label.strip()]
+        times: dict[str, list[float]] = {label: [] for label in labels}
         version = 0
         for _ in range(args.rounds):
             # a run syncs the same way every step: the second memory sync of each round is the
             # steady state; the first follows a disk reload, which replaced the served model
             # (its fast path packed afresh), so it also pays for laying out new buffers
-            for label in ("disk", "shm_after_disk", "shm"):
+            for label in labels:
                 path = "disk" if label == "disk" else "shm"
                 with torch.no_grad():
                     for p in model.parameters():
@@ -90,8 +103,13 @@ def main() -> None:
                     detail = {**memory.last_timings, **memory.last_reply}
                 seconds = time.monotonic() - started
                 times[label].append(seconds)
+                if path == "shm":
+                    # what neither side counts: HTTP, the segment's mapping, JSON
+                    detail["other_seconds"] = round(
+                        seconds - detail["shm_write_seconds"] - detail["total_seconds"], 4
+                    )
                 keep = ("save", "shm_write_seconds", "copy_seconds", "prepare_seconds",
-                        "load_seconds", "total_seconds")  # fmt: skip
+                        "load_seconds", "map_seconds", "total_seconds", "other_seconds")  # fmt: skip
                 print(json.dumps({"path": label, "seconds": round(seconds, 3),
                                   **{k: detail[k] for k in keep if k in detail}}), flush=True)  # fmt: skip
         memory.close()

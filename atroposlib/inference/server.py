@@ -77,7 +77,7 @@ from atroposlib.utils.http_guard import (
     read_body,
 )
 from atroposlib.utils.http_security import HttpSecurityMiddleware, replay_body
-from atroposlib.utils.shm_weights import SegmentError, read_segment
+from atroposlib.utils.shm_weights import SegmentError, SegmentReader
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,8 @@ class ServerState:
     folder_source: str = ""
     """The last checkpoint folder served (``model_source`` at start, then each
     ``/reload_weights``): where the first shared-memory load gets its spare model."""
+    segments: SegmentReader = field(default_factory=SegmentReader)
+    """Keeps the mapping of the trainer's shared-memory segment between syncs."""
     _max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
@@ -226,6 +228,10 @@ class ShmLoadBody(BaseModel):
     )
 
 
+SEGMENT_CHECK_SECONDS = 5.0
+"""How often the server checks whether the shared-memory segment it keeps mapped was deleted."""
+
+
 def create_app(state: ServerState) -> FastAPI:
     """Build the FastAPI application serving ``state.engine``.
 
@@ -234,9 +240,20 @@ def create_app(state: ServerState) -> FastAPI:
     """
     state.created = state.created or int(time.time())
 
+    async def forget_deleted_segments() -> None:
+        # a segment mapping kept for the next sync goes once its trainer deleted the file (or
+        # died and the next writer reaped it): otherwise it holds a model's worth of memory
+        while True:
+            await asyncio.sleep(SEGMENT_CHECK_SECONDS)
+            if state.segments.release_if_gone():
+                logger.info("released the mapping of a deleted shared-memory segment")
+
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.reload_lock = asyncio.Lock()
+        watcher = asyncio.create_task(forget_deleted_segments())
         yield
+        watcher.cancel()
+        state.segments.release()
         state.engine.shutdown()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -623,10 +640,11 @@ def create_app(state: ServerState) -> FastAPI:
             requested = time.time()
             started = time.monotonic()
             try:
-                tensors = read_segment(body.shm_path)
+                tensors = state.segments.read(body.shm_path)
                 state.engine.check_update(tensors)
             except (SegmentError, ValueError) as exc:
                 raise APIError(400, f"shm_path: {exc}", param="shm_path") from exc
+            map_seconds = time.monotonic() - started
             copy_seconds = prepare_seconds = 0.0
             engine = state.engine
             load = engine.load()
@@ -667,11 +685,13 @@ def create_app(state: ServerState) -> FastAPI:
                 "model": state.served_model_names[0],
                 "path": body.shm_path,
                 "source": "shm",
+                "dtype": str(state.dtype).removeprefix("torch."),
                 "mode": mode,
                 "weights_version": info.weights_version,
                 "policy_version": state.policy_version,
                 "requested_at": requested,
                 "live_at": info.live_at,
+                "map_seconds": round(map_seconds, 4),
                 "copy_seconds": round(copy_seconds, 4),
                 "prepare_seconds": round(prepare_seconds, 4),
                 "drain_seconds": round(info.drain_seconds, 4),

@@ -234,3 +234,78 @@ def test_segments_of_killed_trainers_are_deleted_by_the_next_writer(tmp_path):
         for proc in (killed, alive):
             proc.kill()
             proc.wait(10)
+
+
+def test_writer_stores_the_readers_dtype_and_the_reader_keeps_one_mapping(tmp_path):
+    """``write(dtype=...)`` stores floating-point tensors converted (integers stay); a
+    ``SegmentReader`` sees each rewrite of the same file through its kept mapping, a new
+    layout of another size, and lets the mapping go once the file is deleted."""
+    from atroposlib.utils.shm_weights import SegmentReader, SharedWeightsWriter
+
+    weight = torch.randn(3, 5)
+    writer = SharedWeightsWriter(tmp_path)
+    reader = SegmentReader()
+    try:
+        path = writer.write([("w", weight), ("steps", torch.arange(4))], dtype=torch.bfloat16)
+        first = reader.read(path)
+        assert first["w"].dtype == torch.bfloat16 and first["steps"].dtype == torch.int64
+        assert torch.equal(first["w"], weight.to(torch.bfloat16))
+        writer.write([("w", weight * 2), ("steps", torch.arange(4))], dtype=torch.bfloat16)
+        second = reader.read(path)
+        assert torch.equal(second["w"], (weight * 2).to(torch.bfloat16))
+        assert second["w"].data_ptr() == first["w"].data_ptr()  # the same mapping
+        assert not reader.release_if_gone()
+        writer.write([("w", torch.ones(7, 5))])  # float32, another size: laid out anew
+        third = reader.read(path)
+        assert third["w"].dtype == torch.float32 and torch.equal(third["w"], torch.ones(7, 5))
+    finally:
+        writer.close()
+    assert reader.release_if_gone() and not reader.release_if_gone()
+    assert torch.equal(third["w"], torch.ones(7, 5))  # views stay valid while referenced
+
+
+def test_a_bfloat16_server_gets_bfloat16_weights_and_lets_go_of_the_segment(
+    tmp_path_factory, tiny_model_dir
+):
+    """Against a server that serves in bfloat16, a float32 trainer writes its weights in
+    bfloat16 (half the bytes; the rounding the server would do), the served log-probs are
+    those of the trainer's weights in bfloat16, and once the trainer closes its segment the
+    server drops its kept mapping of it (checked in the server's /proc maps)."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.backends import weight_sync_client
+    from atroposlib.inference.server import SEGMENT_CHECK_SECONDS
+    from atroposlib.utils.shm_weights import read_segment
+    from tests.conftest import start_server
+
+    server = start_server(tmp_path_factory, tiny_model_dir, "--dtype", "bfloat16")
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    client = weight_sync_client("atropos-serve", server.url)
+    client.attach(trainer)
+    maps = Path(f"/proc/{server.proc.pid}/maps")
+    try:
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            client.sync(None, policy_version=version)
+            assert client.last_reply["dtype"] == "bfloat16"
+            segment = client._writer.path
+            assert {t.dtype for t in read_segment(segment).values()} == {torch.bfloat16}
+            assert str(segment) in maps.read_text()  # kept mapped for the next sync
+            ids, served = _greedy(server.url)
+            expected = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+            expected.load_state_dict(trainer.state_dict())
+            assert served == pytest.approx(
+                reference_logprobs(expected.eval(), PROMPT_IDS, ids), abs=0.05
+            )
+        client.close()
+        deadline = time.monotonic() + SEGMENT_CHECK_SECONDS * 3
+        while str(segment) in maps.read_text():
+            assert time.monotonic() < deadline, "the server still maps the deleted segment"
+            time.sleep(0.2)
+    finally:
+        client.close()
+        server.stop()
