@@ -37,6 +37,7 @@ __all__ = [
     "GROUP_KEYS",
     "ITEM_KEYS",
     "PER_SEQUENCE_KEYS",
+    "POLICY_VERSION_HEADER",
     "POLICY_VERSION_MAX",
     "PolicyVersion",
     "REQUIRED_KEYS",
@@ -166,6 +167,10 @@ class ScoredDataItem(TypedDict, total=False):
 
 #: A policy version: a JSON integer (not a float or a string), 0 .. 2**63-1.
 PolicyVersion = Annotated[int, Field(ge=0, le=POLICY_VERSION_MAX, strict=True)]
+
+#: Response header of an inference server naming the policy version of the weights that
+#: generated the response (``atropos-serve`` sends it on non-streamed generations).
+POLICY_VERSION_HEADER = "X-Policy-Version"
 
 
 class ScoredData(BaseModel):

@@ -67,7 +67,7 @@ from atroposlib.inference.protocol import (
     UnsupportedFieldError,
 )
 from atroposlib.inference.sampling import InvalidParamError, SamplingParams
-from atroposlib.schema import PolicyVersion
+from atroposlib.schema import POLICY_VERSION_HEADER, PolicyVersion
 from atroposlib.utils.http_guard import (
     ApiKeyCheck,
     BodyTooLarge,
@@ -145,6 +145,8 @@ class ServerState:
     last_reload: dict[str, Any] | None = None
     policy_version: int = 0
     """The trainer step whose weights are served (``GET /policy_version``)."""
+    initial_policy_version: int | None = None
+    """The policy version of the weights loaded at start (set from ``policy_version``)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body read; larger ones get 413 (``--max-request-bytes``)."""
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -164,12 +166,36 @@ class ServerState:
     folder_source: str = ""
     """The last checkpoint folder served (``model_source`` at start, then each
     ``/reload_weights``): where the first shared-memory load gets its spare model."""
+    policy_by_weights: dict[int, int] = field(default_factory=dict)
+    """The policy version of each engine weights version (``X-Policy-Version`` of a
+    response: the version of the weights its prompt was prefilled on), the last 64."""
     segments: SegmentReader = field(default_factory=SegmentReader)
     """Keeps the mapping of the trainer's shared-memory segment between syncs."""
     _max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         self.folder_source = self.folder_source or self.model_source
+        if self.initial_policy_version is None:
+            self.initial_policy_version = self.policy_version
+
+    def expect_policy(self, policy_version: int | None) -> int:
+        """Register the policy version the next weights swap will serve (the body's, else
+        the current one + 1), under the engine's next weights version, before the swap: a
+        response prefilled on the new weights is stamped with it even before the reload
+        handler resumes. Returns it."""
+        version = policy_version if policy_version is not None else self.policy_version + 1
+        self.policy_by_weights[self.engine.weights_version + 1] = version
+        while len(self.policy_by_weights) > 64:
+            self.policy_by_weights.pop(next(iter(self.policy_by_weights)))
+        return version
+
+    def policy_of(self, weights_version: int | None) -> int | None:
+        """The policy version of engine weights ``weights_version`` (None: unknown)."""
+        if weights_version is None:
+            return None
+        if weights_version == 0 and 0 not in self.policy_by_weights:
+            return self.initial_policy_version
+        return self.policy_by_weights.get(weights_version)
 
     @property
     def tokenizer(self) -> Any:
@@ -387,7 +413,7 @@ def create_app(state: ServerState) -> FastAPI:
         }
         if body.return_token_ids:  # vLLM: on the response, not per choice
             reply["prompt_token_ids"] = list(handle.prompt_ids)
-        return _json(reply, handle)
+        return _json(state, reply, handle)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -430,6 +456,7 @@ def create_app(state: ServerState) -> FastAPI:
                     choice["token_ids"] = list(out.token_ids)
                 choices.append(choice)
         return _json(
+            state,
             {
                 "id": f"cmpl-{handles[0].id}",
                 "object": "text_completion",
@@ -438,7 +465,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "choices": choices,
                 "usage": _usage(handles),
             },
-            handles[0],
+            *handles,
         )
 
     @app.post("/generate")
@@ -471,7 +498,7 @@ def create_app(state: ServerState) -> FastAPI:
             result["logprobs"] = [_generate_logprobs(out) for out in outputs]
         if body.prompt_logprobs is not None:
             result["prompt_logprobs"] = handle.prompt_logprobs
-        return _json(result, handle)
+        return _json(state, result, handle)
 
     @app.post("/inference/v1/generate")
     async def token_generate(body: TokenGenerateRequest, request: Request) -> Response:
@@ -517,6 +544,7 @@ def create_app(state: ServerState) -> FastAPI:
                 }
             )
         return _json(
+            state,
             {
                 "request_id": body.request_id or f"gen-{handle.id}",
                 "prompt_token_ids": list(handle.prompt_ids),
@@ -596,6 +624,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"could not load {path}: {exc}", param="path") from exc
             await _in_own_thread(state.engine.prepare_model, model)
             load_seconds = time.monotonic() - started
+            new_policy = state.expect_policy(body.policy_version)
             try:
                 future = state.engine.request_reload(model)
             except ValueError as exc:
@@ -606,9 +635,8 @@ def create_app(state: ServerState) -> FastAPI:
             if state.spare_model is not None:  # another architecture's spare is no use
                 release_model(state.spare_model)
                 state.spare_model = None
-            state.policy_version = (
-                body.policy_version if body.policy_version is not None else state.policy_version + 1
-            )
+            state.policy_by_weights[info.weights_version] = new_policy
+            state.policy_version = new_policy
             state.last_reload = {
                 "status": "ok",
                 "model": state.served_model_names[0],
@@ -647,6 +675,7 @@ def create_app(state: ServerState) -> FastAPI:
             map_seconds = time.monotonic() - started
             copy_seconds = prepare_seconds = 0.0
             engine = state.engine
+            new_policy = state.expect_policy(body.policy_version)
             load = engine.load()
             if engine.compiled or engine.paused or not (load["running"] or load["waiting"]):
                 # Nothing generating (a trainer paused generation, or no requests): copy into
@@ -677,9 +706,8 @@ def create_app(state: ServerState) -> FastAPI:
             copy_seconds = copy_seconds or info.copy_seconds
             prepare_seconds = prepare_seconds or info.prepare_seconds
             state.model_source = f"shm:{body.shm_path}"
-            state.policy_version = (
-                body.policy_version if body.policy_version is not None else state.policy_version + 1
-            )
+            state.policy_by_weights[info.weights_version] = new_policy
+            state.policy_version = new_policy
             state.last_reload = {
                 "status": "ok",
                 "model": state.served_model_names[0],
@@ -981,9 +1009,18 @@ def _usage(handles: list[RequestHandle]) -> dict[str, int]:
     }
 
 
-def _json(body: dict[str, Any], handle: RequestHandle) -> JSONResponse:
-    # Which weights served the request: lets a trainer check a reload took effect.
-    headers = {"X-Weights-Version": str(handle.weights_version)}
+def _json(state: ServerState, body: dict[str, Any], *handles: RequestHandle) -> JSONResponse:
+    """``body`` with the headers saying which weights answered: ``X-Weights-Version`` (the
+    engine's count of weight swaps: a trainer checks a reload took effect) and
+    ``X-Policy-Version`` (the trainer step of those weights: the version an env stamps on the
+    samples, exact even when the request was aborted by a pause and re-run on new weights).
+    With several prompts, the oldest weights any of them ran on."""
+    versions = [h.weights_version for h in handles if h.weights_version is not None]
+    weights = min(versions) if versions else None
+    headers = {"X-Weights-Version": str(weights)}
+    policy = state.policy_of(weights)
+    if policy is not None:
+        headers[POLICY_VERSION_HEADER] = str(policy)
     return JSONResponse(body, headers=headers)
 
 

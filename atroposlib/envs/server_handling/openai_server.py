@@ -31,6 +31,7 @@ from openai.resources.completions import AsyncCompletions as _AsyncTextCompletio
 from openai.types.chat.chat_completion import ChatCompletion
 from openai.types.completion import Completion
 
+from atroposlib.envs.server_handling import policy_version as _policy
 from atroposlib.envs.server_handling.server_baseline import (
     APIServer,
     APIServerConfig,
@@ -169,6 +170,7 @@ class LeanOpenAIClient:
                 raw = await response.read()
                 status = response.status
                 resp_headers = dict(response.headers)
+                _policy.note_response(response.headers)
         except asyncio.TimeoutError as exc:
             raise openai.APITimeoutError(request=self._request(url, headers, data)) from exc
         except aiohttp.ClientError as exc:

@@ -16,7 +16,15 @@ an ``APIServer`` makes inside it records the version its server had when the req
 runtime stamps on the rollout's groups. Servers report a new version only once its weights
 serve requests, and the value recorded was read before the request was sent, so a stamp is
 never newer than the weights that made the samples (it can be older by up to the TTL after a
-sync: such groups look staler than they are, never fresher). Before, a request past the TTL
+sync: such groups look staler than they are, never fresher).
+
+Servers that say per response which weights generated it (``atropos-serve``'s
+``X-Policy-Version`` header, :data:`~atroposlib.schema.POLICY_VERSION_HEADER`) are exact: the
+HTTP clients pass each response's headers to :func:`note_response`, and the version recorded
+for the request is that of its final (not aborted) attempt. Without it, a generation aborted
+by the trainer's pause and re-sent while the server was paused ran on the new weights but kept
+the version read before its first attempt: one or two steps staler than true, enough for
+``run-api --max-staleness`` to drop it. Before, a request past the TTL
 used the cached value and refreshed in the background; an env idle for a while (waiting for
 the trainer) then stamped its first groups after a sync with a version several steps old,
 and ``run-api --max-staleness`` dropped them.
@@ -28,9 +36,12 @@ import asyncio
 import contextvars
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
+from atroposlib.schema import POLICY_VERSION_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +49,49 @@ __all__ = [
     "PolicyVersionTracker",
     "collecting",
     "end_rollout",
+    "note_response",
     "record",
     "rollout_policy_version",
     "start_rollout",
+    "watch_responses",
 ]
 
 #: The versions recorded by the requests of the current rollout (None outside a rollout).
 _ROLLOUT: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "atropos_rollout_policy_versions", default=None
 )
+
+
+#: The versions named by the responses of the request being made (None: nobody watches).
+_RESPONSES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "atropos_response_policy_versions", default=None
+)
+
+
+def watch_responses() -> list[int]:
+    """Collect, in this context, the policy versions that responses name from now on
+    (:func:`note_response`); returns the list they are appended to."""
+    seen: list[int] = []
+    _RESPONSES.set(seen)
+    return seen
+
+
+def note_response(headers: Mapping[str, str]) -> None:
+    """Record the policy version a response's headers name (``X-Policy-Version``), if any,
+    for the request being made in this context (see :func:`watch_responses`). HTTP clients
+    of inference servers call it with every response's headers."""
+    seen = _RESPONSES.get()
+    if seen is None:
+        return
+    value = headers.get(POLICY_VERSION_HEADER)
+    if value is None:
+        return
+    try:
+        version = int(value)
+    except (TypeError, ValueError):
+        return
+    if version >= 0:
+        seen.append(version)
 
 
 def start_rollout() -> contextvars.Token:

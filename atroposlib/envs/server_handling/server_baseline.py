@@ -604,19 +604,26 @@ class APIServer(ABC):
     async def _run(self, wrapper: Any, split: str, kwargs: dict[str, Any]) -> Any:
         """One backend call; a generation the server aborted is run again (see the class
         docstring)."""
-        if _policy.collecting():
-            _policy.record(await self._policy_tracker().current())
-        for _ in range(self.abort_retries):
+        collecting = _policy.collecting()
+        # read before the request: never newer than the weights that will answer it
+        before = await self._policy_tracker().current() if collecting else None
+        for attempt in range(self.abort_retries + 1):
+            # the version the final attempt's response names, where the server says one
+            seen = _policy.watch_responses() if collecting else []
             result = await self._run_once(wrapper, split, kwargs)
             if not _was_aborted(result):
-                return result
+                break
+            if attempt == self.abort_retries:
+                logger.warning(
+                    "the server aborted the same generation %d times; returning its partial result",
+                    self.abort_retries + 1,
+                )
+                break
             self.aborted_generations += 1
             logger.debug("the server aborted a generation (paused?); running it again")
-        logger.warning(
-            "the server aborted the same generation %d times; returning its partial result",
-            self.abort_retries + 1,
-        )
-        return await self._run_once(wrapper, split, kwargs)
+        if collecting:
+            _policy.record(min(seen) if seen else before)
+        return result
 
     async def _run_once(self, wrapper: Any, split: str, kwargs: dict[str, Any]) -> Any:
         """Health wait, semaphore, retries and bookkeeping around one backend call."""

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import aiohttp
 from transformers import AutoTokenizer
 
+from atroposlib.envs.server_handling import policy_version as _policy
 from atroposlib.envs.server_handling.openai_server import (  # noqa: F401 - re-exported
     LeanOpenAIClient,
     OpenAIServer,
@@ -104,6 +105,7 @@ class VLLMServer(OpenAIServer):
             timeout=aiohttp.ClientTimeout(total=self.config.timeout),
             proxy=proxy,
         ) as response:
+            _policy.note_response(response.headers)
             text = await response.text()
             try:
                 body = json.loads(text)

@@ -157,3 +157,84 @@ def test_group_from_trajectories_takes_the_lowest_item_version(versions, expecte
     group, _ = group_from_trajectories(items, len(items))
     assert group is not None
     assert group.get("policy_version") == expected
+
+
+@pytest.fixture(scope="module")
+def own_serve(tmp_path_factory, tiny_model_dir):
+    """A tiny atropos-serve of this module's own (these tests reload its weights)."""
+    pytest.importorskip("torch")
+    from tests.inference.conftest import own_tiny_server
+
+    yield from own_tiny_server(tmp_path_factory, tiny_model_dir)
+
+
+@pytest.mark.parametrize("server_type", ["vllm", "openai"])
+async def test_a_generation_rerun_on_new_weights_gets_their_version(
+    own_serve, tiny_model_dir, server_type
+) -> None:
+    """A trainer pauses atropos-serve (abort) mid-generation, loads new weights as policy
+    version V and resumes; the client re-runs the aborted generation, which now runs on the
+    new weights: the rollout records V (the response's ``X-Policy-Version``), not the version
+    it read before its first attempt, which made such groups look one or two steps stale."""
+    import httpx
+
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.schema import POLICY_VERSION_HEADER
+
+    config = APIServerConfig(
+        base_url=f"{own_serve.url}/v1",
+        api_key="",
+        model_name="tiny",
+        tokenizer_name=str(tiny_model_dir),
+        server_type=server_type,
+        timeout=120,
+    )
+    manager = ServerManager([config])
+    (server,) = manager.servers
+    async with httpx.AsyncClient(base_url=own_serve.url, timeout=120) as http:
+        before = (await http.get("/policy_version")).json()["policy_version"]
+        new = before + 2  # a trainer that skipped a sync number: not just "old + 1"
+
+        async def generate() -> Any:
+            if server_type == "vllm":
+                return await server.tokens_and_logprobs_completion(
+                    prompt="Count: one, two,", max_tokens=300, temperature=1.0, ignore_eos=True
+                )
+            return await server.chat_completion(
+                messages=[{"role": "user", "content": "Count to a thousand."}],
+                max_tokens=300,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
+
+        async def rollout() -> int | None:
+            token = start_rollout()
+            try:
+                await generate()
+                return rollout_policy_version()
+            finally:
+                end_rollout(token)
+
+        try:
+            task = asyncio.create_task(rollout())
+            deadline = asyncio.get_running_loop().time() + 60
+            while (await http.get("/health")).json().get("running", 0) < 1:
+                assert not task.done(), "the generation finished before it could be paused"
+                assert asyncio.get_running_loop().time() < deadline, "never started generating"
+                await asyncio.sleep(0.01)
+            assert (await http.post("/pause", params={"mode": "abort"})).status_code == 200
+            reload = await http.post(
+                "/reload_weights", json={"path": str(tiny_model_dir), "policy_version": new}
+            )
+            assert reload.status_code == 200, reload.text
+            assert (await http.post("/resume")).status_code == 200
+            assert await task == new
+            assert server.aborted_generations == 1
+            reply = await http.post(
+                "/generate",
+                json={"prompt": {"prompt_token_ids": [1, 2, 3]}, "max_tokens": 2},
+            )
+            assert reply.headers[POLICY_VERSION_HEADER] == str(new)
+        finally:
+            await http.post("/resume")
+            await manager.close()
