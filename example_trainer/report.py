@@ -105,7 +105,10 @@ def run_env_evaluate(
                         now - started,
                         log,
                     )
-                time.sleep(0.5)
+                try:  # returns as soon as it exits (a sleep would add up to its length)
+                    proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
