@@ -237,7 +237,8 @@ class TrainingConfig(BaseModel):
         default="auto",
         description="How atropos-serve gets the weights (inference atropos-serve). auto: "
         "shared memory when inference_url is this machine (loopback or its own name), else "
-        "disk. shm: the trainer writes its parameters into /dev/shm and the server copies "
+        "disk. shm: the trainer writes its parameters into /dev/shm (in the server's dtype "
+        "when it serves in bfloat16 or float16: half the bytes) and the server copies "
         "them into its model in place (POST /load_weights_from_shm; no checkpoint written for "
         "the sync; same machine only; the segment, a model's size of RAM, is deleted when the "
         "trainer ends, or by the next trainer if it was killed). disk: the trainer writes a checkpoint folder each sync "

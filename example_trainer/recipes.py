@@ -67,18 +67,18 @@ RECIPES: dict[str, Recipe] = {
     ),
     "gsm8k-format": Recipe(
         summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "
-        "number (the bundled train split; 200 held-out test problems before/after), ~19 min on "
-        "2 CPU cores with bfloat16 units (AVX-512 BF16), 27-39 min without",
+        "number (the bundled train split; 200 held-out test problems before/after), ~12 min on "
+        "2 CPU cores with bfloat16 units (AVX-512 BF16), longer without",
         flags={
             "env": "gsm8k",
-            "steps": 20,
+            "steps": 14,
             "group_size": 16,
             "batch_size": 32,
             "micro_batch_size": 16,
-            "lr": 5e-5,
+            "lr": 1e-4,
             "seq_len": 384,
             "eval": True,
-            "eval_every": 10,
+            "eval_every": 0,
             "output": "runs/gsm8k-format",
         },
         env_args=[
