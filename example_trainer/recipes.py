@@ -71,7 +71,7 @@ RECIPES: dict[str, Recipe] = {
         "2 CPU cores with bfloat16 units (AVX-512 BF16), longer without",
         flags={
             "env": "gsm8k",
-            "steps": 14,
+            "steps": 13,
             "group_size": 16,
             "batch_size": 32,
             "micro_batch_size": 16,
