@@ -157,13 +157,10 @@ def check_server_precision(config: TrainingConfig) -> str | None:
                 want,
             )
         return None
-    import httpx
+    from atroposlib.backends import server_health
 
     for url in (u.strip().rstrip("/") for u in config.inference_url.split(",") if u.strip()):
-        try:
-            served = httpx.get(url + "/health", timeout=10).json().get("dtype")
-        except (httpx.HTTPError, ValueError, AttributeError):
-            continue
+        served = server_health(url).get("dtype")
         if served and served != want:
             message = (
                 f"atropos-serve at {url} computes in {served}, this trainer in {want} "

@@ -51,6 +51,7 @@ from atroposlib.backends.weight_sync import (
     WeightSync,
     auth_headers,
     plugin_env,
+    server_health,
     server_policy_version,
     vllm_command,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "gives_token_ids",
     "serves_token_generate",
     "plugin_env",
+    "server_health",
     "server_policy_version",
     "sync_weights",
     "vllm_command",

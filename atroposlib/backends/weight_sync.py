@@ -66,6 +66,7 @@ __all__ = [
     "WeightSync",
     "auth_headers",
     "plugin_env",
+    "server_health",
     "server_policy_version",
     "vllm_command",
 ]
@@ -202,7 +203,7 @@ def auth_headers(api_key: str | None = None) -> dict[str, str]:
 
 
 _client_lock = threading.Lock()
-_clients: dict[int, httpx.Client] = {}
+_client: tuple[int, httpx.Client] | None = None  # (the process it was made in, the client)
 
 
 def _http_client() -> httpx.Client:
@@ -211,13 +212,11 @@ def _http_client() -> httpx.Client:
     ~27 ms on the 2-core development machine, three times per training step (pause, sync,
     resume). Keep-alive connections are dropped after 4 s idle, before uvicorn's default 5 s
     closes them from the other side. One client per process (a forked child gets its own)."""
-    pid = os.getpid()
+    global _client
     with _client_lock:
-        client = _clients.get(pid)
-        if client is None:
-            _clients.clear()  # a parent's client is not usable after fork
-            client = _clients[pid] = httpx.Client(limits=httpx.Limits(keepalive_expiry=4.0))
-        return client
+        if _client is None or _client[0] != os.getpid():  # a parent's is unusable after fork
+            _client = (os.getpid(), httpx.Client(limits=httpx.Limits(keepalive_expiry=4.0)))
+        return _client[1]
 
 
 def _request(
@@ -269,6 +268,19 @@ def _wait_healthy(url: str, timeout: float, hint: str) -> None:
         if time.monotonic() > deadline:
             raise InferenceLaunchError(f"{url} is not healthy; {hint}")
         time.sleep(0.5)
+
+
+def server_health(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
+    """The JSON body of ``GET {url}/health`` (e.g. atropos-serve's ``"dtype"``), or ``{}``
+    when the server does not answer 200 with a JSON object (``api_key``: as
+    :func:`auth_headers`)."""
+    try:
+        reply = _http_client().get(
+            url.rstrip("/") + "/health", timeout=timeout, headers=auth_headers(api_key)
+        )
+    except httpx.HTTPError:
+        return {}
+    return _json(reply) if reply.status_code == 200 else {}
 
 
 def server_policy_version(
@@ -844,7 +856,8 @@ class AtroposServeReload(_RunningServerReload):
         if self._writer is None:
             self._writer = SharedWeightsWriter()
         if self._served_dtype is None:
-            self._served_dtype = self._health().get("dtype") or ""
+            health = server_health(self.url, api_key=self.api_key)
+            self._served_dtype = str(health.get("dtype") or "")
         while True:
             written_dtype = _segment_dtype(self._served_dtype)
             path = self._writer.write(unique_parameters(self._model), dtype=written_dtype)
@@ -879,13 +892,6 @@ class AtroposServeReload(_RunningServerReload):
             "server_seconds": float(self.last_reply.get("total_seconds", 0.0)),
         }
         return seconds
-
-    def _health(self) -> dict[str, Any]:
-        try:
-            reply = _http_client().get(self.url + "/health", timeout=10, headers=self.auth_headers)
-        except httpx.HTTPError:
-            return {}
-        return _json(reply) if reply.status_code == 200 else {}
 
     def close(self) -> None:
         """Delete the shared-memory segment (the server keeps running)."""

@@ -145,8 +145,6 @@ class ServerState:
     last_reload: dict[str, Any] | None = None
     policy_version: int = 0
     """The trainer step whose weights are served (``GET /policy_version``)."""
-    initial_policy_version: int | None = None
-    """The policy version of the weights loaded at start (set from ``policy_version``)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Largest request body read; larger ones get 413 (``--max-request-bytes``)."""
     tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
@@ -168,15 +166,15 @@ class ServerState:
     ``/reload_weights``): where the first shared-memory load gets its spare model."""
     policy_by_weights: dict[int, int] = field(default_factory=dict)
     """The policy version of each engine weights version (``X-Policy-Version`` of a
-    response: the version of the weights its prompt was prefilled on), the last 64."""
+    response: the version of the weights its prompt was prefilled on), the last 64; the
+    weights loaded at start (engine weights version 0) are ``policy_version``."""
     segments: SegmentReader = field(default_factory=SegmentReader)
     """Keeps the mapping of the trainer's shared-memory segment between syncs."""
     _max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         self.folder_source = self.folder_source or self.model_source
-        if self.initial_policy_version is None:
-            self.initial_policy_version = self.policy_version
+        self.policy_by_weights.setdefault(0, self.policy_version)
 
     def expect_policy(self, policy_version: int | None) -> int:
         """Register the policy version the next weights swap will serve (the body's, else
@@ -189,13 +187,15 @@ class ServerState:
             self.policy_by_weights.pop(next(iter(self.policy_by_weights)))
         return version
 
+    def now_serving(self, weights_version: int, policy_version: int) -> None:
+        """The swap to engine weights ``weights_version`` (policy ``policy_version``, as
+        :meth:`expect_policy` registered it) is live: ``GET /policy_version`` reports it."""
+        self.policy_by_weights[weights_version] = policy_version
+        self.policy_version = policy_version
+
     def policy_of(self, weights_version: int | None) -> int | None:
         """The policy version of engine weights ``weights_version`` (None: unknown)."""
-        if weights_version is None:
-            return None
-        if weights_version == 0 and 0 not in self.policy_by_weights:
-            return self.initial_policy_version
-        return self.policy_by_weights.get(weights_version)
+        return None if weights_version is None else self.policy_by_weights.get(weights_version)
 
     @property
     def tokenizer(self) -> Any:
@@ -635,8 +635,7 @@ def create_app(state: ServerState) -> FastAPI:
             if state.spare_model is not None:  # another architecture's spare is no use
                 release_model(state.spare_model)
                 state.spare_model = None
-            state.policy_by_weights[info.weights_version] = new_policy
-            state.policy_version = new_policy
+            state.now_serving(info.weights_version, new_policy)
             state.last_reload = {
                 "status": "ok",
                 "model": state.served_model_names[0],
@@ -706,8 +705,7 @@ def create_app(state: ServerState) -> FastAPI:
             copy_seconds = copy_seconds or info.copy_seconds
             prepare_seconds = prepare_seconds or info.prepare_seconds
             state.model_source = f"shm:{body.shm_path}"
-            state.policy_by_weights[info.weights_version] = new_policy
-            state.policy_version = new_policy
+            state.now_serving(info.weights_version, new_policy)
             state.last_reload = {
                 "status": "ok",
                 "model": state.served_model_names[0],

@@ -19,10 +19,10 @@ from atroposlib.envs.server_handling.managed_server import (
     ManagedServer,
     RetokenizingManagedServer,
 )
-from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 from atroposlib.envs.server_handling.server_manager import ServerManager
 from atroposlib.schema import ScoredData, check_group
 from atroposlib.utils.tokenize_for_trainer import chat_for_template, tokenize_for_trainer
+from tests.envs.server_handling.conftest import server_config
 
 MESSAGES = [
     {"role": "system", "content": "You are a calculator."},
@@ -43,17 +43,6 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-def server_config(serve: Any, model_dir: Path, server_type: str) -> APIServerConfig:
-    return APIServerConfig(
-        base_url=f"{serve.url}/v1",
-        api_key="",
-        model_name="tiny",
-        tokenizer_name=str(model_dir),
-        server_type=server_type,
-        timeout=120,
-    )
 
 
 @pytest.fixture(params=["vllm", "openai"])

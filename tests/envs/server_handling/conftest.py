@@ -42,17 +42,23 @@ def engine_requests(base_url: str) -> int:
     return httpx.get(f"{base_url}/health", timeout=10).json()["stats"]["requests"]
 
 
+def server_config(serve: Any, model_dir: Path, server_type: str = "vllm") -> APIServerConfig:
+    """An ``APIServerConfig`` for a tiny ``atropos-serve`` process ``serve`` (served as
+    ``tiny``), with the client ``server_type``."""
+    return APIServerConfig(
+        base_url=f"{serve.url}/v1",
+        api_key="",
+        model_name="tiny",
+        tokenizer_name=str(model_dir),
+        server_type=server_type,
+        timeout=120,
+    )
+
+
 @pytest.fixture()
 def tiny_config(tiny_serve: Any, tiny_model_dir: Path) -> APIServerConfig:
     """An ``APIServerConfig`` for the shared tiny ``atropos-serve`` (served as ``tiny``)."""
-    return APIServerConfig(
-        base_url=f"{tiny_serve.url}/v1",
-        api_key="",
-        model_name="tiny",
-        tokenizer_name=str(tiny_model_dir),
-        server_type="vllm",
-        timeout=120,
-    )
+    return server_config(tiny_serve, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

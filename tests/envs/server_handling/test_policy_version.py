@@ -20,7 +20,7 @@ from atroposlib.envs.server_handling.policy_version import (
     start_rollout,
 )
 from atroposlib.envs.server_handling.server_manager import ServerManager
-from tests.envs.server_handling.conftest import serve_app
+from tests.envs.server_handling.conftest import serve_app, server_config
 
 
 def _stand_in(state: dict[str, Any]) -> FastAPI:
@@ -178,18 +178,9 @@ async def test_a_generation_rerun_on_new_weights_gets_their_version(
     it read before its first attempt, which made such groups look one or two steps stale."""
     import httpx
 
-    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.schema import POLICY_VERSION_HEADER
 
-    config = APIServerConfig(
-        base_url=f"{own_serve.url}/v1",
-        api_key="",
-        model_name="tiny",
-        tokenizer_name=str(tiny_model_dir),
-        server_type=server_type,
-        timeout=120,
-    )
-    manager = ServerManager([config])
+    manager = ServerManager([server_config(own_serve, tiny_model_dir, server_type)])
     (server,) = manager.servers
     async with httpx.AsyncClient(base_url=own_serve.url, timeout=120) as http:
         before = (await http.get("/policy_version")).json()["policy_version"]
