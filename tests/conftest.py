@@ -247,6 +247,37 @@ def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+# Upstream's API tests (vendored unchanged) start ``run-api`` on the fixed port 8000 and share
+# whatever listens there; ``test_api_legacy``'s server lives until its worker's session ends. Under
+# ``--dist loadfile`` two workers could run these files at once and one would see the other's
+# server, so the scheduler below hands them out as one unit, to one worker, one after the other.
+UPSTREAM_PORT_8000_FILES = (
+    "tests/upstream/test_api_legacy.py",
+    "tests/upstream/test_api_compression.py",
+    "tests/upstream/test_api_messages_handling.py",
+)
+
+
+def _upstream_port_8000_file(nodeid: str) -> bool:
+    path = nodeid.split("::", 1)[0]
+    return any(path.endswith(name) for name in UPSTREAM_PORT_8000_FILES)
+
+
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """``--dist loadfile``, with upstream's port-8000 files as one work unit (see above)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _LoadFilePort8000Together(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if _upstream_port_8000_file(nodeid):
+                return "upstream-api-tests-on-port-8000"
+            return super()._split_scope(nodeid)
+
+    return _LoadFilePort8000Together(config, log)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
     """In CI, list every skipped test with its reason and say that the run fails because of it."""
     skipped = terminalreporter.stats.get("skipped", [])

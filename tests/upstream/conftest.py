@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import _upstream_port_8000_file
+
 HERE = Path(__file__).resolve().parent
 UPSTREAM_ENVS = HERE.parent / "upstream_envs" / "environments"
 
@@ -135,14 +137,22 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = keep
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _port_8000_is_ours() -> None:
+_port_8000: dict[str, bool] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
     """Upstream's API tests start ``run-api`` on port 8000 and reuse whatever answers there;
-    refuse to run them against somebody else's server."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        if sock.connect_ex(("127.0.0.1", 8000)) == 0:
-            pytest.fail(
-                "port 8000 is already in use: upstream's API tests hardcode "
-                "http://localhost:8000 and would reset the server listening there"
-            )
+    refuse to run them against somebody else's server. Checked once per worker, before the
+    first of those files sets up its fixtures (they all run on one worker: ``tests/conftest.py``)."""
+    if not _upstream_port_8000_file(item.nodeid):
+        return
+    if "taken" not in _port_8000:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.5)
+            _port_8000["taken"] = sock.connect_ex(("127.0.0.1", 8000)) == 0
+    if _port_8000["taken"]:
+        pytest.fail(
+            "port 8000 was already in use before upstream's API tests started: they hardcode "
+            "http://localhost:8000 and would reset the server listening there"
+        )
