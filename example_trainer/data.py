@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from atroposlib.trainer import TrainingRow, group_advantages, rows_from_batch, sample_temperature
@@ -328,6 +329,7 @@ class _Trie:
         self.children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         self.tokens: list[int] = []
         self.depth: list[int] = []
+        self.parent: list[int] = []  # -1 for a row's first token
         self.paths: list[list[int]] = []
 
     def cost(self, row: _Row) -> int:
@@ -348,6 +350,7 @@ class _Trie:
                 child = len(self.tokens)
                 self.tokens.append(token)
                 self.depth.append(t)
+                self.parent.append(node)
                 self.children[(node, token)] = child
             path.append(child)
             node = child
@@ -361,21 +364,29 @@ def _pack(rows: list[_Row], trie: _Trie) -> MicroBatch:
     """One micro-batch running ``rows`` (added to ``trie`` in this order) as a single packed
     sequence (PackedLayout)."""
     size = len(trie)
-    visible = torch.zeros(size, size, dtype=torch.bool)
+    # A node sees itself and its ancestors (the earlier positions of every row through it):
+    # causal attention along each path. Built a generation of ancestors at a time, in numpy
+    # (no per-row tensor indexing: those small multi-threaded ops crawl when another process
+    # keeps the cores busy).
+    parent = np.asarray(trie.parent, dtype=np.int64)
+    visible = np.zeros((size, size), dtype=np.bool_)
+    nodes = np.arange(size)
+    ancestors = nodes.copy()
+    while nodes.size:
+        visible[nodes, ancestors] = True
+        ancestors = parent[ancestors]
+        live = ancestors >= 0
+        nodes, ancestors = nodes[live], ancestors[live]
     width = max(len(r.inputs) for r in rows)
-    index = torch.zeros(len(rows), width, dtype=torch.long)
+    index = np.zeros((len(rows), width), dtype=np.int64)
     for i, path in enumerate(trie.paths):
-        at = torch.tensor(path, dtype=torch.long)
-        # along a path, earlier positions are ancestors: causal attention over the path
-        causal = torch.ones(len(path), len(path), dtype=torch.bool).tril_()
-        visible[at.unsqueeze(1), at.unsqueeze(0)] |= causal
-        index[i, : len(path)] = at
+        index[i, : len(path)] = path
     mb = _stack(rows, 0, width, None)
     mb.packed = PackedLayout(
         ids=torch.tensor(trie.tokens, dtype=torch.long),
         positions=torch.tensor(trie.depth, dtype=torch.long),
-        visible=visible,
-        index=index,
+        visible=torch.from_numpy(visible),
+        index=torch.from_numpy(index),
     )
     return mb
 

@@ -435,8 +435,15 @@ def train(
         while step < config.training_steps:
             log.status(f"step {step + 1}: waiting for a batch")
             waited = time.monotonic()
+            groups = api.get_batch(timeout=config.batch_timeout)
+            # The step's own work starts here: the server pauses before the batch is laid out,
+            # so that nothing else competes with it for the cores.
+            started = time.monotonic()
+            if config.pause_generation:
+                sync.pause(config.pause_mode)
+                paused = True
             batch = prepare_batch(
-                api.get_batch(timeout=config.batch_timeout),
+                groups,
                 config.batch_size,
                 # a shared prompt needs its key/value cache, which checkpointing turns off
                 share_prefix=config.share_prompt_prefix and not config.gradient_checkpointing,
@@ -452,10 +459,6 @@ def train(
                     len(batch.group_scores),
                     " (no optimizer step)" if not batch.micro_batches else "",
                 )
-            started = time.monotonic()
-            if config.pause_generation:
-                sync.pause(config.pause_mode)
-                paused = True
             metrics = train_step(model, optimizer, scheduler, batch, config, ref_model, fast=fast)
             train_seconds = time.monotonic() - started
             step += 1
