@@ -309,3 +309,48 @@ def test_a_bfloat16_server_gets_bfloat16_weights_and_lets_go_of_the_segment(
     finally:
         client.close()
         server.stop()
+
+
+def test_a_server_restarted_in_float32_gets_the_weights_again_in_float32(
+    tmp_path_factory, tiny_model_dir
+):
+    """The trainer reads the served dtype once and writes its segment in it. When the server
+    was restarted in a wider dtype since (same URL, now float32), the load's reply says so and
+    the trainer writes the weights again in float32 at once: the server never serves the
+    bfloat16-rounded weights of the first write."""
+    from transformers import AutoModelForCausalLM
+
+    from atroposlib.backends import weight_sync_client
+    from atroposlib.utils.shm_weights import read_segment
+    from tests.conftest import ServeProcess, start_server
+
+    first = start_server(tmp_path_factory, tiny_model_dir, "--dtype", "bfloat16")
+    second = ServeProcess(
+        tiny_model_dir,
+        "--dtype",
+        "float32",
+        log_path=tmp_path_factory.mktemp("serve") / "atropos-serve.log",
+    )
+    second.port, second.url = first.port, first.url
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    client = weight_sync_client("atropos-serve", first.url)
+    client.attach(trainer)
+    try:
+        client.sync(None, policy_version=1)
+        assert client.last_reply["dtype"] == "bfloat16"
+        assert {t.dtype for t in read_segment(client._writer.path).values()} == {torch.bfloat16}
+        first.stop()
+        second.start()
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        client.sync(None, policy_version=2)
+        assert client.last_reply["dtype"] == "float32"
+        assert {t.dtype for t in read_segment(client._writer.path).values()} == {torch.float32}
+        ids, served = _greedy(second.url)
+        trainer.eval()
+        assert served == pytest.approx(reference_logprobs(trainer, PROMPT_IDS, ids), abs=2e-3)
+    finally:
+        client.close()
+        first.stop()
+        second.stop()

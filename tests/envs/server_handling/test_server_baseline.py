@@ -209,6 +209,34 @@ async def test_health_falls_back_to_models_when_no_health_route() -> None:
         await server.close()
 
 
+async def test_health_loop_keeps_one_connection() -> None:
+    """The probes of one health loop reuse a client (one kept-alive connection) instead of
+    building a client, and its SSL context, per probe."""
+    app = FastAPI()
+    ports: list[int] = []
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, str]:
+        assert request.client is not None
+        ports.append(request.client.port)
+        return {"status": "ok"}
+
+    with serve_app(app) as url:
+        server = OpenAIServer(
+            APIServerConfig(base_url=f"{url}/v1", model_name="m", health_check_interval=0.05)
+        )
+        server.check_task = asyncio.create_task(server.check_server_status_task())
+        try:
+            for _ in range(100):
+                if len(ports) >= 5:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await server.close()
+    assert len(ports) >= 5
+    assert len(set(ports)) == 1, f"a new connection per probe: {ports}"
+
+
 async def test_unhealthy_server_holds_requests_until_healthy() -> None:
     app, hits = probe_app(503)
     with serve_app(app) as url:

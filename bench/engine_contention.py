@@ -1,0 +1,116 @@
+"""What another busy process costs atropos-serve's engine on 2 cores.
+
+The engine runs its model with one OpenMP thread per core. When another process keeps one
+core busy, every parallel region waits for the thread that has no core, and throughput falls
+by far more than half. This bench runs the engine in-process on arithmetic-learn's load (GRPO
+groups of 16 replies of at most 6 tokens to the env's ~100-token few-shot chat prompts,
+``--in-flight`` groups at a time) in rounds, alone and with a single-threaded busy loop in a
+second process, alternated, and prints groups/s of each.
+
+    python bench/engine_contention.py --rounds 2 --groups 24
+
+It is why the trainer pauses the server as soon as its batch arrives (before laying it out),
+and why nothing else in the loop should compute while the server generates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
+
+from arithmetic_server import chat_messages, make_problem  # noqa: E402
+
+from atroposlib.inference.engine import GenerationEngine  # noqa: E402
+from atroposlib.inference.models import load_model  # noqa: E402
+from atroposlib.inference.sampling import SamplingParams  # noqa: E402
+from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
+
+
+def _busy(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
+
+
+async def _round(engine: GenerationEngine, prompts: list[list[int]], in_flight: int) -> float:
+    gate = asyncio.Semaphore(in_flight)
+
+    async def group(ids: list[int]) -> None:
+        async with gate:
+            params = SamplingParams(max_tokens=6, n=16, temperature=1.0, logprobs=0)
+            await engine.submit(ids, params).result()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(group(p) for p in prompts))
+    return len(prompts) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=24, help="groups per round")
+    parser.add_argument("--in-flight", type=int, default=8, help="groups generating at once")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each condition")
+    args = parser.parse_args()
+
+    pin_mmap_threshold()
+    torch.set_num_threads(1)
+    loaded = load_model(args.model, args.dtype)
+    engine = GenerationEngine(
+        loaded.model, loaded.tokenizer, max_batch=256, threads=args.threads,
+        logprobs_mode="processed_logprobs",
+    )  # fmt: skip
+    engine.warmup()
+    engine.start()
+    use_heap_for_temporaries()
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(args.groups):
+        question = make_problem(rng, 20, "+-")["question"]
+        ids = loaded.tokenizer.apply_chat_template(
+            chat_messages(question, few_shot=3), add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+
+    results: dict[str, list[float]] = {"alone": [], "beside a busy process": []}
+    asyncio.run(_round(engine, prompts, args.in_flight))  # warm-up round, not counted
+    for _ in range(args.rounds):
+        for condition in results:
+            stop = multiprocessing.Event()
+            busy = None
+            if condition != "alone":
+                busy = multiprocessing.Process(target=_busy, args=(stop,), daemon=True)
+                busy.start()
+                time.sleep(0.5)
+            try:
+                rate = asyncio.run(_round(engine, prompts, args.in_flight))
+            finally:
+                stop.set()
+                if busy is not None:
+                    busy.join()
+            results[condition].append(rate)
+            print(f"{condition}: {rate:.2f} groups/s", flush=True)
+    engine.shutdown()
+    alone = statistics.median(results["alone"])
+    beside = statistics.median(results["beside a busy process"])
+    print(
+        f"\nmedian groups/s: alone {alone:.2f}, beside a busy process {beside:.2f} "
+        f"({alone / beside:.1f}x slower; {args.threads} engine threads, "
+        f"{torch.get_num_threads()} caller thread)"
+    )
+
+
+if __name__ == "__main__":
+    main()
