@@ -37,15 +37,22 @@ def _greedy(url: str) -> tuple[list[int], list[float]]:
     return body["token_ids"][0], [list(item[0].values())[0] for item in body["logprobs"][0]]
 
 
-def test_memory_sync_serves_the_trainers_weights(shm_server, tiny_model_dir):
+def _attached_trainer(url: str, model_dir: Path):
+    """A float32 copy of the tiny model as the trainer's, and the atropos-serve sync client
+    that writes its weights for the server at ``url``."""
     from transformers import AutoModelForCausalLM
 
     from atroposlib.backends import weight_sync_client
 
-    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    before_ids, before_lp = _greedy(shm_server.url)
-    client = weight_sync_client("atropos-serve", shm_server.url)
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    client = weight_sync_client("atropos-serve", url)
     client.attach(trainer)
+    return trainer, client
+
+
+def test_memory_sync_serves_the_trainers_weights(shm_server, tiny_model_dir):
+    before_ids, before_lp = _greedy(shm_server.url)
+    trainer, client = _attached_trainer(shm_server.url, tiny_model_dir)
     assert client.transport == "shm" and not client.needs_checkpoint
     try:
         for version in (3, 4):  # the second sync reuses the segment
@@ -141,13 +148,7 @@ def test_sync_while_generating_swaps_a_filled_spare(shm_server, tiny_model_dir):
     import threading
     import time
 
-    from transformers import AutoModelForCausalLM
-
-    from atroposlib.backends import weight_sync_client
-
-    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    client = weight_sync_client("atropos-serve", shm_server.url)
-    client.attach(trainer)
+    trainer, client = _attached_trainer(shm_server.url, tiny_model_dir)
     try:
         client.sync(None, policy_version=10)
         assert client.last_reply["mode"] == "in_place"
@@ -275,15 +276,12 @@ def test_a_bfloat16_server_gets_bfloat16_weights_and_lets_go_of_the_segment(
 
     from transformers import AutoModelForCausalLM
 
-    from atroposlib.backends import weight_sync_client
     from atroposlib.inference.server import SEGMENT_CHECK_SECONDS
     from atroposlib.utils.shm_weights import read_segment
     from tests.conftest import start_server
 
     server = start_server(tmp_path_factory, tiny_model_dir, "--dtype", "bfloat16")
-    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    client = weight_sync_client("atropos-serve", server.url)
-    client.attach(trainer)
+    trainer, client = _attached_trainer(server.url, tiny_model_dir)
     maps = Path(f"/proc/{server.proc.pid}/maps")
     try:
         for version in (1, 2):
@@ -318,9 +316,7 @@ def test_a_server_restarted_in_float32_gets_the_weights_again_in_float32(
     was restarted in a wider dtype since (same URL, now float32), the load's reply says so and
     the trainer writes the weights again in float32 at once: the server never serves the
     bfloat16-rounded weights of the first write."""
-    from transformers import AutoModelForCausalLM
 
-    from atroposlib.backends import weight_sync_client
     from atroposlib.utils.shm_weights import read_segment
     from tests.conftest import ServeProcess, start_server
 
@@ -332,9 +328,7 @@ def test_a_server_restarted_in_float32_gets_the_weights_again_in_float32(
         log_path=tmp_path_factory.mktemp("serve") / "atropos-serve.log",
     )
     second.port, second.url = first.port, first.url
-    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    client = weight_sync_client("atropos-serve", first.url)
-    client.attach(trainer)
+    trainer, client = _attached_trainer(first.url, tiny_model_dir)
     try:
         client.sync(None, policy_version=1)
         assert client.last_reply["dtype"] == "bfloat16"
