@@ -263,6 +263,7 @@ def _upstream_port_8000_file(nodeid: str) -> bool:
     return any(path.endswith(name) for name in UPSTREAM_PORT_8000_FILES)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown when xdist is not loaded
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
     """``--dist loadfile``, with upstream's port-8000 files as one work unit (see above)."""
     if config.getvalue("dist") != "loadfile":
