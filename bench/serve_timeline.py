@@ -30,21 +30,30 @@ import httpx
 DEFAULT_QUICKSTART = ["--recipe", "arithmetic-learn", "--steps", "20", "--no-eval"]
 
 
-def _server_port(quickstart: subprocess.Popen, stop: threading.Event) -> str | None:
-    """The port of the atropos-serve that ``quickstart`` started (from its command line)."""
+def _server_port(
+    log: Path, offset: int, quickstart: subprocess.Popen, stop: threading.Event
+) -> str | None:
+    """The port of the atropos-serve this run started: from the command line quickstart
+    writes into its log (what the log held before this run, ``offset`` bytes, is skipped), so
+    that no other server on the machine is taken for it."""
     while not stop.is_set() and quickstart.poll() is None:
-        found = subprocess.run(
-            ["pgrep", "-af", "atroposlib.inference.cli"], capture_output=True, text=True
-        ).stdout
-        match = re.search(r"--port (\d+)", found)
-        if match:
-            return match.group(1)
+        if log.is_file():
+            with open(log, "rb") as handle:
+                handle.seek(offset)
+                found = re.search(rb"^\$ .*--port (\d+)", handle.read(), re.MULTILINE)
+            if found:
+                return found.group(1).decode()
         time.sleep(0.5)
     return None
 
 
-def poll(quickstart: subprocess.Popen, samples: list[dict], stop: threading.Event) -> None:
-    port = _server_port(quickstart, stop)
+def poll(
+    quickstart: subprocess.Popen,
+    server_log: tuple[Path, int],
+    samples: list[dict],
+    stop: threading.Event,
+) -> None:
+    port = _server_port(*server_log, quickstart, stop)
     if port is None:
         return
     seen = False
@@ -130,11 +139,15 @@ def main() -> None:
     command = ["atropos-quickstart", *(extra or DEFAULT_QUICKSTART), "--output", args.output]
     log = Path(args.output + ".log")
     print("$", " ".join(command), f"> {log}", flush=True)
+    server_log = Path(args.output) / "logs" / "atropos-serve.log"
+    offset = server_log.stat().st_size if server_log.is_file() else 0
     with open(log, "w") as handle:
         quickstart = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
         samples: list[dict] = []
         stop = threading.Event()
-        poller = threading.Thread(target=poll, args=(quickstart, samples, stop), daemon=True)
+        poller = threading.Thread(
+            target=poll, args=(quickstart, (server_log, offset), samples, stop), daemon=True
+        )
         poller.start()
         code = quickstart.wait()
         stop.set()
