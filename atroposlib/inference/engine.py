@@ -56,6 +56,10 @@ from atroposlib.utils.memory import mapped_allocations, release_free_memory
 
 logger = logging.getLogger(__name__)
 
+#: A batch keeps prompts once per request when its first requests ask for at least this many
+#: samples each on average (:meth:`GenerationEngine._use_grouped`).
+GROUPED_MIN_SAMPLES = 4
+
 
 def copy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy ``tensors`` (parameter name -> value, converted to the parameter's dtype) into
@@ -315,6 +319,7 @@ class GenerationEngine:
         compile: bool = False,
         fast_decode: bool = True,
         lean_decode: bool = True,
+        share_prompt_kv: bool = True,
         threads: int | None = None,
         logprobs_mode: str = "processed_logprobs",
         cache_memory: int | None = None,
@@ -339,6 +344,8 @@ class GenerationEngine:
         ones (vLLM's automatic prefix caching); emptied when the weights change."""
         self.compiled = compile
         self.fast_decode = fast_decode
+        self.share_prompt_kv = share_prompt_kv
+        """Rows of one request keep their prompt's keys and values once (:meth:`_use_grouped`)."""
         self._fast_options = fastpath.FastPathOptions(
             enabled=fast_decode, lean=lean_decode, compiled=compile
         )
@@ -369,6 +376,9 @@ class GenerationEngine:
         self._running: list[_Sequence] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
+        # The running batch in the lean step's layout (prompts once per request) instead of
+        # ``_cache``/``_mask`` (a row each): one of the two is set while rows run.
+        self._grouped: fastpath.GroupedBatch | None = None
         self._pending_reload: (
             tuple[fastpath.PreparedModel | _InPlaceUpdate, concurrent.futures.Future, float] | None
         ) = None
@@ -392,6 +402,7 @@ class GenerationEngine:
             "prefix_cache_hits": 0,
             "prefix_cache_tokens_reused": 0,
             "memory_waits": 0,
+            "grouped_steps": 0,
         }
         self._memory_blocked: RequestHandle | None = None
         self._prefix_reset = False
@@ -451,8 +462,16 @@ class GenerationEngine:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                cache = self._fast.batch_cache(output_cache(out))
                 mask = torch.ones((batch, 16), dtype=torch.long, device=self.device)
+                if self._use_grouped([GROUPED_MIN_SAMPLES] * batch):
+                    layers = [(x.keys, x.values) for x in output_cache(out).layers]
+                    grouped = fastpath.GroupedBatch.from_prefill(
+                        layers, mask, [GROUPED_MIN_SAMPLES] * batch
+                    )
+                    step = ids.new_full((grouped.rows, 1), int(ids[0, 0])).to(self.device)
+                    for _ in range(3):
+                        self._fast.decode_grouped(step, grouped)
+                cache = self._fast.batch_cache(output_cache(out))
                 for _ in range(3):
                     # The same call as the scheduler's decode step, so that with ``compile``
                     # every graph it needs (batch 1, and any batch >1) is built here.
@@ -880,8 +899,8 @@ class GenerationEngine:
             handles[0]._put(handles[0].error)
             return
         # Engine-wide from here on: a failure fails the batch (see _run).
-        cache, mask, sequences, tokens, raw_logprobs = prepared
-        self._merge(cache, mask.to(self.device), sequences)
+        cache, mask, samples, sequences, tokens, raw_logprobs = prepared
+        self._merge(cache, mask.to(self.device), samples, sequences)
         self._record_tokens(sequences, tokens, raw_logprobs)
         self._retire_finished()
 
@@ -971,9 +990,10 @@ class GenerationEngine:
 
     def _prefill_rows(
         self, handles: list[RequestHandle]
-    ) -> tuple[DynamicCache, torch.Tensor, list[_Sequence], torch.Tensor, torch.Tensor]:
+    ) -> tuple[DynamicCache, torch.Tensor, list[int], list[_Sequence], torch.Tensor, torch.Tensor]:
         """Prefill ``handles`` and sample their first tokens, without touching the running
-        batch: returns the new rows' cache, mask, sequences, tokens and log-probs to merge."""
+        batch: returns the prompts' cache and mask (a row per prompt), the number of samples
+        of each prompt, and the new rows' sequences, tokens and log-probs to merge."""
         # A prefix common to every prompt is run once (or taken from the prefix cache) and its
         # KV cache shared by all rows: the rows then hold [prefix | padding | own suffix],
         # which the attention mask and explicit positions make exact (padding columns are
@@ -1017,8 +1037,6 @@ class GenerationEngine:
         rows = [r for r, h in enumerate(handles) for _ in range(h.params.n)]
         index = torch.tensor(rows, dtype=torch.long)
         cache: DynamicCache = output_cache(out)
-        cache.batch_select_indices(index.to(self.device))
-        mask = mask[index]
         sequences = [
             _Sequence(h, i, set() if h.params.ignore_eos else self.eos_ids)
             for h in handles
@@ -1027,7 +1045,7 @@ class GenerationEngine:
         tokens, raw_logprobs = self._sample(logits[index], sequences)
         self.stats["prompt_tokens"] += sum(len(h.prompt_ids) for h in handles)
         self.stats["requests"] += len(handles)
-        return cache, mask, sequences, tokens, raw_logprobs
+        return cache, mask, [h.params.n for h in handles], sequences, tokens, raw_logprobs
 
     def _record_prompt_logprobs(self, handle: RequestHandle, logits: torch.Tensor) -> None:
         """vLLM's ``prompt_logprobs``: None for the first token, then {id: logprob} per token
@@ -1047,8 +1065,48 @@ class GenerationEngine:
             result.append(entry)
         handle.prompt_logprobs = result
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, sequences: list[_Sequence]) -> None:
-        """Append new rows to the running batch, left-padding whichever side is shorter."""
+    def _use_grouped(self, samples: list[int]) -> bool:
+        """Whether a batch that starts with requests of ``samples`` samples each keeps every
+        prompt's keys and values once (:class:`~atroposlib.inference.fastpath.GroupedBatch`)
+        rather than once per row. It pays where requests have several samples (an RL group
+        of 16 reads its prompt once per decode step instead of 16 times: ~1.2x faster steps
+        at 12 such requests, and no copying of prompts into and out of the batch); with one
+        sample per request there is nothing to share and its extra operations cost ~10%."""
+        return (
+            self.share_prompt_kv
+            and self._fast.append_cache
+            and self._fast.grouped
+            and sum(samples) >= GROUPED_MIN_SAMPLES * len(samples)
+        )
+
+    def _merge(
+        self,
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        samples: list[int],
+        sequences: list[_Sequence],
+    ) -> None:
+        """Append the rows of new prompts (``samples[i]`` rows for prompt ``i`` of ``cache``
+        and ``mask``) to the running batch, in the batch's layout."""
+        if not self._running:
+            self._grouped = self._cache = self._mask = None
+        grouped = self._grouped is not None if self._running else self._use_grouped(samples)
+        if grouped:
+            part = fastpath.GroupedBatch.from_prefill(
+                [(x.keys, x.values) for x in cache.layers], mask, samples
+            )
+            if self._grouped is None:
+                self._grouped, self._running = part, sequences
+            else:
+                self._grouped.merge(part)
+                self._running = self._running + sequences
+            return
+        index = torch.repeat_interleave(
+            torch.arange(len(samples), device=mask.device),
+            torch.tensor(samples, device=mask.device),
+        )
+        cache.batch_select_indices(index.to(self.device))
+        mask = mask[index]
         if self._cache is None or not self._running:
             self._cache = self._fast.batch_cache(cache)
             self._mask, self._running = mask, sequences
@@ -1077,9 +1135,20 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         """Feed every running sequence its last token and sample the next one."""
-        assert self._cache is not None and self._mask is not None
         batch = len(self._running)
         input_ids = torch.tensor([[s.out.token_ids[-1]] for s in self._running], dtype=torch.long)
+        if self._grouped is not None:
+            logits = self._fast.decode_grouped(input_ids.to(self.device), self._grouped)
+            if logits is not None:
+                self.stats["grouped_steps"] += 1
+                self._sampled(logits.float().cpu())
+                return
+            # The lean step cannot run the current weights (e.g. a model it does not know was
+            # swapped in under a "keep" pause): on in the per-row layout the model reads.
+            layers, grouped_mask = self._grouped.to_padded(self.model.dtype)
+            self._cache = self._fast.batch_cache(layers)
+            self._mask, self._grouped = grouped_mask.to(self.device), None
+        assert self._cache is not None and self._mask is not None
         mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
         positions = mask.sum(dim=1, keepdim=True) - 1
         fast = self._fast.decode(input_ids.to(self.device), mask, positions, self._cache)
@@ -1097,6 +1166,10 @@ class GenerationEngine:
             self._cache = output_cache(out)
             logits = out.logits[:, -1, :].float().cpu()
         self._mask = mask
+        self._sampled(logits)
+
+    def _sampled(self, logits: torch.Tensor) -> None:
+        """Sample every running row's next token from ``logits`` and record it."""
         tokens, raw_logprobs = self._sample(logits, self._running)
         self.stats["steps"] += 1
         self._record_tokens(self._running, tokens, raw_logprobs)
@@ -1213,6 +1286,10 @@ class GenerationEngine:
         done = {id(s.handle): s.handle for s in self._running if s.finished}
         if not keep:
             self._cache, self._mask, self._running = None, None, []
+            self._grouped = None
+        elif self._grouped is not None:
+            self._grouped.keep(torch.tensor(keep, dtype=torch.long))
+            self._running = [self._running[i] for i in keep]
         else:
             assert self._cache is not None and self._mask is not None
             index = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
@@ -1238,6 +1315,7 @@ class GenerationEngine:
         handles = {id(s.handle): s.handle for s in self._running}
         handles.update({id(h): h for h in admitted})
         self._cache, self._mask, self._running = None, None, []
+        self._grouped = None
         error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
         for handle in handles.values():
             for out in handle.outputs:

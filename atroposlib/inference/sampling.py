@@ -183,11 +183,26 @@ def sample_next(
         return chosen, raw_logprobs
 
     index = torch.tensor(sampled, dtype=torch.long)
-    temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=torch.float32)
-    scores = shaped[index] / temps[:, None]
+    every_row = len(sampled) == batch
     top_ks = [rows[i].params.top_k for i in sampled]
     top_ps = [rows[i].params.top_p for i in sampled]
     min_ps = [rows[i].params.min_p for i in sampled]
+    temps_list = [rows[i].params.temperature for i in sampled]
+    if (
+        not copied
+        and all(t == 1.0 for t in temps_list)
+        and all(k <= 0 for k in top_ks)
+        and all(p >= 1.0 for p in top_ps)
+        and all(p <= 0.0 for p in min_ps)
+    ):
+        # Nothing reshapes the distribution (temperature 1, no filters or penalties): the
+        # tokens are drawn from the model's own log-softmax, computed once.
+        logprobs = raw_logprobs if every_row else raw_logprobs[index]
+        chosen[index] = _inverse_cdf_sample(logprobs.exp(), [rows[i].generator for i in sampled])
+        return chosen, raw_logprobs
+
+    temps = torch.tensor(temps_list, dtype=torch.float32)
+    scores = shaped[index] / temps[:, None]
     # vLLM's order: min-p (an argmax-invariant logits processor) before top-k and top-p; the
     # order matters when top-p meets min-p (the nucleus is taken of what min-p left)
     if any(p > 0.0 for p in min_ps):
@@ -196,12 +211,13 @@ def sample_next(
         scores = scores.masked_fill(probs < floor, float("-inf"))
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         scores = _top_k_top_p(scores, top_ks, top_ps)
-    chosen[index] = _inverse_cdf_sample(
-        torch.softmax(scores, dim=-1), [rows[i].generator for i in sampled]
-    )
+    logprobs = torch.log_softmax(scores, dim=-1)
+    chosen[index] = _inverse_cdf_sample(logprobs.exp(), [rows[i].generator for i in sampled])
     if processed:
+        if every_row:
+            return chosen, logprobs
         raw_logprobs = raw_logprobs.clone()
-        raw_logprobs[index] = torch.log_softmax(scores, dim=-1)
+        raw_logprobs[index] = logprobs
     return chosen, raw_logprobs
 
 

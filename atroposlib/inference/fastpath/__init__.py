@@ -11,7 +11,9 @@ the pieces:
   sdpa's slow ``enable_gqa`` path) and a KV cache that appends in place;
 * :mod:`.packed_linear`: linear layers multiplying with weights prepacked once for oneDNN;
 * :mod:`.lean_decode`: the decode step of Llama-architecture models without ``transformers``'
-  per-call overhead (bit-identical logits).
+  per-call overhead (bit-identical logits);
+* :mod:`.grouped`: a batch layout for that step whose rows keep their request's prompt keys
+  and values once (:meth:`PreparedModel.decode_grouped`).
 
 Every piece computes what the ``transformers`` model computes and applies only where it can;
 elsewhere (another attention implementation, weights not on the CPU, a dtype without packed
@@ -30,10 +32,18 @@ from transformers import DynamicCache, PreTrainedModel
 from atroposlib.utils.memory import heap_for_temporaries, mapped_allocations
 
 from .attention import append_cache, use_decode_attention
+from .grouped import GroupedBatch
 from .lean_decode import LeanDecoder
 from .packed_linear import pack_linear_weights, repack_in_place, unpack_linear_weights
 
-__all__ = ["FastPathOptions", "PreparedModel", "prepare", "refresh", "release"]
+__all__ = [
+    "FastPathOptions",
+    "GroupedBatch",
+    "PreparedModel",
+    "prepare",
+    "refresh",
+    "release",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +135,21 @@ class PreparedModel:
         if lean is None or not lean.current():
             return None
         return lean(input_ids, attention_mask, position_ids, cache)
+
+    @property
+    def grouped(self) -> bool:
+        """:meth:`decode_grouped` can run now (the lean step applies to the current weights)."""
+        return self.lean is not None and self.lean.current()
+
+    def decode_grouped(self, input_ids: torch.Tensor, batch: GroupedBatch) -> torch.Tensor | None:
+        """Logits ``(rows, vocab)`` of one decode step over ``batch``'s rows (prompts stored
+        once per request, :mod:`.grouped`), appending to it; None when the lean step cannot
+        run (the caller converts the batch with :meth:`GroupedBatch.to_padded` and decodes
+        with the model's forward pass)."""
+        lean = self.lean
+        if lean is None or not lean.current():
+            return None
+        return lean.decode_grouped(input_ids, batch)
 
     @property
     def decode_path(self) -> str:

@@ -27,6 +27,7 @@ back to the ``transformers`` path for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from .attention import ATTENTION_NAME
+from .grouped import GroupedBatch
 from .packed_linear import BATCH_HINT, is_packed, packing_supported
 
 # Architectures whose decoder layer is Llama's (Qwen2 adds biases to q/k/v, Qwen3 normalises
@@ -253,13 +255,48 @@ class LeanDecoder:
         """
         batch = input_ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        q_end, k_end, inter = heads * dim, (heads + kv_heads) * dim, self.intermediate
         # As transformers' sdpa mask: none at all when nothing is padding.
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        sdpa = nn.functional.scaled_dot_product_attention
+
+        def attend(
+            index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        ) -> torch.Tensor:
+            keys, values = cache.layers[index].update(k, v)
+            # One query token: the query heads sharing a key/value head are the query rows of
+            # one attention call on it (as :func:`~.attention.decode_attention`).
+            grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+            return sdpa(grouped, keys, values, attn_mask=mask, scale=scale)
+
+        return self._step(input_ids, position_ids, attend)
+
+    def decode_grouped(self, input_ids: torch.Tensor, batch: GroupedBatch) -> torch.Tensor:
+        """Logits ``(rows, vocab)`` for ``input_ids`` ``(rows, 1)``, the rows of ``batch``
+        (prompts stored once per request, :mod:`.grouped`), appending the new token to it.
+
+        The same step as :meth:`__call__` but for the attention, which joins the prompt and
+        generated parts exactly (not bit for bit: see :mod:`.grouped`)."""
+        positions = batch.positions()
+        batch.begin_step()
+        logits = self._step(input_ids, positions, batch.attend)
+        batch.end_step()
+        return logits
+
+    def _step(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> torch.Tensor:
+        """The decode step around ``attend(layer, q, k, v, scale)``, which stores the new
+        keys and values and returns the attention output (any shape holding
+        ``(batch, heads, dim)`` in that order)."""
+        batch = input_ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_end, k_end, inter = heads * dim, (heads + kv_heads) * dim, self.intermediate
         hidden = self._embed(input_ids)
         cos, sin = self._rotary(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        sdpa = nn.functional.scaled_dot_product_attention
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
@@ -273,12 +310,7 @@ class LeanDecoder:
             v = qkv[..., k_end:].view(batch, 1, kv_heads, dim).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = cache.layers[index].update(k, v)
-            # One query token: the query heads sharing a key/value head are the query rows of
-            # one attention call on it (as :func:`~.attention.decode_attention`).
-            grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
-            out = sdpa(grouped, keys, values, attn_mask=mask, scale=layer.scaling)
-            out = out.reshape(batch, 1, heads * dim)
+            out = attend(index, q, k, v, layer.scaling).reshape(batch, 1, heads * dim)
             hidden = residual + _linear(out, layer.o, layer.o_bias)
             residual = hidden
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)

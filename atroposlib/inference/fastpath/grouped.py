@@ -1,0 +1,351 @@
+"""A running batch whose rows share their prompt's keys and values: the lean decode step's cache.
+
+A request for ``n`` samples becomes ``n`` rows of the batch that differ only in what they
+generate. The left-padded batch cache (:mod:`.attention`) holds the prompt's keys and values
+once per row: copied ``n`` times when the request joins, copied again whenever the batch takes
+new rows or drops finished ones, and read ``n`` times by every decode step. For an RL
+environment's load (GRPO groups of 16, ~100-token prompts, replies of a few tokens) that
+prompt part is nearly all of the cache. :class:`GroupedBatch` keeps two levels instead:
+
+* the **prompts**, one entry per request (left-padded to the longest prompt), and
+* each row's **own** keys and values: the tokens it generated (left-padded to the row that has
+  generated the most).
+
+Attention for one new token per row runs over both and joins them exactly: each part returns
+its weighted sum of values with weights ``exp(s - m)`` relative to its largest score ``m``,
+and the sum of those weights; rescaled to the larger of the two maxima, the two sums divided
+by the two weight totals are the softmax over all keys (as flash attention joins blocks). The query heads of the rows of
+one request (and of one key/value head) are the query rows of one multiply with that
+request's prompt keys, so the prompt is read once per request, not once per row.
+
+Both levels are stored in float32 and both parts computed in float32 (scores, softmax and
+sums), as PyTorch's own CPU attention kernel accumulates; the result differs from
+``transformers``' single sdpa call only by that kernel's rounding (in a bfloat16 model it
+rounds probabilities to bfloat16 before multiplying with the values): float32 models agree to
+~1e-6 in the logits, bfloat16 models as closely as two bfloat16 batches of different
+composition do (measured against a float32 reference: the same mean error). Storing float32
+costs no more memory than the per-row layout it replaces once requests have two or more
+samples (the prompt is held once instead of ``n`` times); the engine uses this layout for
+batches of requests with several samples.
+
+Measured on the 2-core development machine (SmolLM2-135M in bf16, 12 requests x 16 rows,
+105-token prompts, 3 generated tokens each, attention of one layer): 2.43 ms through the
+left-padded cache, see ``bench/README.md`` for the whole decode step and the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Spare generated positions each row's own keys and values are allocated with.
+OWN_HEADROOM = 16
+
+
+def _part(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``(b, kv_heads, q, dim)`` (already scaled) over ``keys``/
+    ``values`` ``(b, kv_heads, k, dim)`` with additive ``bias`` ``(b, 1, 1, k)`` (0 or -inf;
+    None: nothing masked), float32 throughout and not yet normalised:
+    ``(sum_j exp(s_j - m) v_j, m, sum_j exp(s_j - m))`` with ``m`` the largest score (the last
+    two ``(b, kv_heads, q, 1)``)."""
+    scores = torch.matmul(query, keys.transpose(-1, -2))
+    if bias is not None:
+        scores.add_(bias)
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = scores.sub_(top).exp_()
+    return torch.matmul(weights, values), top, weights.sum(dim=-1, keepdim=True)
+
+
+class GroupedBatch:
+    """The keys and values of the running batch, prompts stored once per request.
+
+    Built from a prefill's cache with :meth:`from_prefill`, joined with :meth:`merge`, cut
+    to the rows still running with :meth:`keep`; a decode step calls :meth:`positions`,
+    :meth:`begin_step`, :meth:`attend` once per layer, then :meth:`end_step`.
+    :meth:`to_padded` gives the left-padded per-row layout the model's own forward pass reads.
+    """
+
+    def __init__(
+        self,
+        prompt_keys: list[torch.Tensor],
+        prompt_values: list[torch.Tensor],
+        prompt_mask: torch.Tensor,
+        group: torch.Tensor,
+        sample: torch.Tensor,
+        own_keys: list[torch.Tensor],
+        own_values: list[torch.Tensor],
+        own_mask: torch.Tensor,
+    ) -> None:
+        self.prompt_keys = prompt_keys
+        """Per layer ``(requests, kv_heads, prompt_width, dim)`` float32, left-padded."""
+        self.prompt_values = prompt_values
+        self.prompt_mask = prompt_mask
+        """``(requests, prompt_width)`` bool: True for a prompt's real positions."""
+        self.group = group
+        """``(rows,)``: the request (prompt entry) of each row."""
+        self.sample = sample
+        """``(rows,)``: each row's slot within its request (its sample index)."""
+        self.own_keys = own_keys
+        """Per layer ``(rows, kv_heads, capacity, dim)`` float32 buffers; the first
+        ``own_width`` positions hold the generated tokens' keys, left-padded."""
+        self.own_values = own_values
+        self.own_mask = own_mask
+        """``(rows, own_width)`` bool: True for a row's generated positions."""
+        self._refresh()
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_prefill(
+        cls,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+        rows_per_prompt: list[int],
+    ) -> GroupedBatch:
+        """Rows for the prompts a prefill just ran: ``layers`` holds per layer the keys and
+        values ``(prompts, kv_heads, width, dim)`` of left-padded prompts whose real positions
+        ``mask`` ``(prompts, width)`` marks; prompt ``i`` gets ``rows_per_prompt[i]`` rows."""
+        counts = torch.tensor(rows_per_prompt, dtype=torch.long)
+        group = torch.repeat_interleave(torch.arange(len(rows_per_prompt)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        sample = torch.arange(len(group)) - torch.repeat_interleave(starts, counts)
+        # float32 copies (the views a prefill returns may point into larger buffers)
+        keys = [
+            k.to(torch.float32, copy=True, memory_format=torch.contiguous_format) for k, _ in layers
+        ]
+        values = [
+            v.to(torch.float32, copy=True, memory_format=torch.contiguous_format) for _, v in layers
+        ]
+        rows = len(group)
+        own_keys, own_values = [], []
+        for k in keys:
+            shape = (rows, k.shape[1], OWN_HEADROOM, k.shape[3])
+            own_keys.append(k.new_empty(shape))
+            own_values.append(k.new_empty(shape))
+        own_mask = torch.zeros((rows, 0), dtype=torch.bool)
+        return cls(keys, values, mask.bool(), group, sample, own_keys, own_values, own_mask)
+
+    def merge(self, other: GroupedBatch) -> None:
+        """Append ``other``'s requests and rows after this batch's (one copy of each level,
+        both left-padded to the wider side)."""
+        requests = self.prompt_mask.shape[0]
+        p_width = max(self.prompt_mask.shape[1], other.prompt_mask.shape[1])
+        self.prompt_keys = _stack_left_padded(self.prompt_keys, other.prompt_keys, p_width)
+        self.prompt_values = _stack_left_padded(self.prompt_values, other.prompt_values, p_width)
+        self.prompt_mask = torch.cat(
+            [_pad_mask(self.prompt_mask, p_width), _pad_mask(other.prompt_mask, p_width)]
+        )
+        o_width = max(self.own_width, other.own_width)
+        capacity = o_width + OWN_HEADROOM
+        self.own_keys = _stack_own(
+            self.own_keys, other.own_keys, self.own_width, other.own_width, o_width, capacity
+        )
+        self.own_values = _stack_own(
+            self.own_values, other.own_values, self.own_width, other.own_width, o_width, capacity
+        )
+        self.own_mask = torch.cat(
+            [_pad_mask(self.own_mask, o_width), _pad_mask(other.own_mask, o_width)]
+        )
+        self.group = torch.cat([self.group, other.group + requests])
+        self.sample = torch.cat([self.sample, other.sample])
+        self._refresh()
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (in that order); drop generated positions no row needs and the
+        prompts of requests with no row left."""
+        mask = self.own_mask[index]
+        leading = int((~mask).all(dim=0).cumprod(dim=0).sum()) if mask.shape[1] else 0
+        width = mask.shape[1] - leading
+        capacity = width + OWN_HEADROOM
+        for layer in range(len(self.own_keys)):
+            for buffers in (self.own_keys, self.own_values):
+                old = buffers[layer]
+                new = old.new_empty((len(index), old.shape[1], capacity, old.shape[3]))
+                torch.index_select(
+                    old[:, :, leading : leading + width], 0, index, out=new[:, :, :width]
+                )
+                buffers[layer] = new
+        self.own_mask = mask[:, leading:]
+        self.group = self.group[index]
+        self.sample = self.sample[index]
+        self._refresh()
+        self._drop_finished_prompts()
+
+    def _drop_finished_prompts(self) -> None:
+        """Forget the prompts no row uses any more (and padding no prompt needs)."""
+        used = torch.zeros(self.prompt_mask.shape[0], dtype=torch.bool)
+        used[self.group] = True
+        if bool(used.all()):
+            return
+        index = used.nonzero().squeeze(1)
+        mask = self.prompt_mask[index]
+        leading = int((~mask).all(dim=0).cumprod(dim=0).sum())
+        self.prompt_keys = [k[index, :, leading:].contiguous() for k in self.prompt_keys]
+        self.prompt_values = [v[index, :, leading:].contiguous() for v in self.prompt_values]
+        self.prompt_mask = mask[:, leading:]
+        remap = torch.full((len(used),), -1, dtype=torch.long)
+        remap[index] = torch.arange(len(index))
+        self.group = remap[self.group]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Recompute what the decode step derives from the layout."""
+        self.own_width = int(self.own_mask.shape[1])
+        self.slots = int(self.sample.max()) + 1 if len(self.sample) else 1
+        self._prompt_bias = _bias(self.prompt_mask)
+        self._prompt_lengths = self.prompt_mask.sum(dim=1)
+
+    # ------------------------------------------------------------------ decoding
+
+    @property
+    def rows(self) -> int:
+        """Rows in the batch."""
+        return int(self.group.shape[0])
+
+    def positions(self) -> torch.Tensor:
+        """``(rows, 1)``: the position of each row's next token."""
+        return (self._prompt_lengths[self.group] + self.own_mask.sum(dim=1))[:, None]
+
+    def begin_step(self) -> None:
+        """Make room for one more generated position in every row (before the layers run)."""
+        width = self.own_width
+        if width + 1 > self.own_keys[0].shape[2]:
+            for buffers in (self.own_keys, self.own_values):
+                for layer, old in enumerate(buffers):
+                    new = old.new_empty(old.shape[:2] + (width + 1 + OWN_HEADROOM, old.shape[3]))
+                    new[:, :, :width] = old[:, :, :width]
+                    buffers[layer] = new
+        self.own_mask = torch.cat(
+            [self.own_mask, torch.ones((self.rows, 1), dtype=torch.bool)], dim=1
+        )
+        self._own_bias = _bias(self.own_mask)
+
+    def end_step(self) -> None:
+        """The step's token is in every layer: count it."""
+        self.own_width += 1
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the new token's ``key``/``value`` ``(rows, kv_heads, 1, dim)`` in ``layer`` and
+        return attention of ``query`` ``(rows, heads, 1, dim)`` over the row's prompt and
+        generated tokens, ``(rows, heads, dim)`` in the query's dtype."""
+        width = self.own_width
+        own_k, own_v = self.own_keys[layer], self.own_values[layer]
+        own_k[:, :, width] = key[:, :, 0]
+        own_v[:, :, width] = value[:, :, 0]
+        rows, heads, _, dim = query.shape
+        kv_heads = key.shape[1]
+        per_kv = heads // kv_heads
+        q = query.reshape(rows, kv_heads, per_kv, dim).float().mul_(scale)
+        # The prompt part: one multiply per request and key/value head, its rows' query heads
+        # side by side (a slot per sample; slots of finished rows are zeros, never read back).
+        requests, slots = self.prompt_mask.shape[0], self.slots
+        grouped = q.new_zeros((requests, kv_heads, slots, per_kv, dim))
+        grouped.permute(0, 2, 1, 3, 4)[self.group, self.sample] = q
+        out_p, top_p, sum_p = _part(
+            grouped.view(requests, kv_heads, slots * per_kv, dim),
+            self.prompt_keys[layer],
+            self.prompt_values[layer],
+            self._prompt_bias,
+        )
+        out_p, top_p, sum_p = (
+            t.view(requests, kv_heads, slots, per_kv, t.shape[-1]).permute(0, 2, 1, 3, 4)[
+                self.group, self.sample
+            ]
+            for t in (out_p, top_p, sum_p)
+        )
+        out_o, top_o, sum_o = _part(
+            q, own_k[:, :, : width + 1], own_v[:, :, : width + 1], self._own_bias
+        )
+        # Both parts rescaled to the larger of their two maxima, then normalised together.
+        top = torch.maximum(top_p, top_o)
+        scale_p, scale_o = top_p.sub_(top).exp_(), top_o.sub_(top).exp_()
+        out = out_p.mul_(scale_p).add_(out_o.mul_(scale_o))
+        out = out.div_(sum_p.mul_(scale_p).add_(sum_o.mul_(scale_o)))
+        return out.reshape(rows, heads, dim).to(query.dtype)
+
+    # ------------------------------------------------------------------ other layouts
+
+    def to_padded(
+        self, dtype: torch.dtype
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per layer ``(rows, kv_heads, width, dim)`` keys and values of every row (its
+        prompt, then what it generated) in ``dtype``, left-padded with zeros, and the
+        ``(rows, width)`` 0/1 attention mask: the layout of the engine's per-row cache."""
+        p_width, o_width = self.prompt_mask.shape[1], self.own_width
+        width = p_width + o_width
+        layers = []
+        for pk, pv, ok, ov in zip(
+            self.prompt_keys, self.prompt_values, self.own_keys, self.own_values, strict=True
+        ):
+            keys = pk.new_zeros((self.rows, pk.shape[1], width, pk.shape[3]), dtype=dtype)
+            values = torch.zeros_like(keys)
+            keys[:, :, :p_width] = pk[self.group]
+            values[:, :, :p_width] = pv[self.group]
+            keys[:, :, p_width:] = ok[:, :, :o_width]
+            values[:, :, p_width:] = ov[:, :, :o_width]
+            layers.append((keys, values))
+        mask = torch.cat([self.prompt_mask[self.group], self.own_mask[:, :o_width]], dim=1)
+        return layers, mask.long()
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor | None:
+    """The additive float32 mask ``(rows, 1, 1, width)`` for a bool mask (0 where True,
+    -inf where False); None when nothing is masked."""
+    if bool(mask.all()):
+        return None
+    bias = torch.zeros(mask.shape, dtype=torch.float32)
+    return bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]
+
+
+def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    if missing == 0:
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
+
+
+def _stack_left_padded(
+    first: list[torch.Tensor], second: list[torch.Tensor], width: int
+) -> list[torch.Tensor]:
+    """Per layer, ``first``'s entries then ``second``'s in one tensor ``width`` positions wide,
+    each right-aligned with zeros on the left (masked padding must be finite)."""
+    stacked = []
+    for a, b in zip(first, second, strict=True):
+        out = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], width, a.shape[3]))
+        out[: a.shape[0], :, width - a.shape[2] :] = a
+        out[a.shape[0] :, :, width - b.shape[2] :] = b
+        stacked.append(out)
+    return stacked
+
+
+def _stack_own(
+    first: list[torch.Tensor],
+    second: list[torch.Tensor],
+    first_width: int,
+    second_width: int,
+    width: int,
+    capacity: int,
+) -> list[torch.Tensor]:
+    """Per layer, the rows' generated positions of ``first`` then ``second`` in one buffer of
+    ``capacity`` positions, right-aligned to ``width`` with zeros on the left."""
+    stacked = []
+    for a, b in zip(first, second, strict=True):
+        rows_a = a.shape[0]
+        out = a.new_empty((rows_a + b.shape[0], a.shape[1], capacity, a.shape[3]))
+        out[:rows_a, :, : width - first_width] = 0
+        out[:rows_a, :, width - first_width : width] = a[:, :, :first_width]
+        out[rows_a:, :, : width - second_width] = 0
+        out[rows_a:, :, width - second_width : width] = b[:, :, :second_width]
+        stacked.append(out)
+    return stacked
