@@ -42,7 +42,23 @@ def _busy(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name
             pass
 
 
-async def _round(engine: GenerationEngine, prompts: list[list[int]], in_flight: int) -> float:
+def recipe_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
+    """``count`` of arithmetic-learn's chat prompts (system prompt, 3 worked examples, a
+    question), as token ids."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        question = make_problem(rng, 20, "+-")["question"]
+        ids = tokenizer.apply_chat_template(
+            chat_messages(question, few_shot=3), add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts
+
+
+async def run_round(engine: GenerationEngine, prompts: list[list[int]], in_flight: int) -> float:
+    """One GRPO group (16 replies of at most 6 tokens) per prompt, ``in_flight`` at a time:
+    groups/s."""
     gate = asyncio.Semaphore(in_flight)
 
     async def group(ids: list[int]) -> None:
@@ -75,17 +91,10 @@ def main() -> None:
     engine.warmup()
     engine.start()
     use_heap_for_temporaries()
-    rng = random.Random(0)
-    prompts = []
-    for _ in range(args.groups):
-        question = make_problem(rng, 20, "+-")["question"]
-        ids = loaded.tokenizer.apply_chat_template(
-            chat_messages(question, few_shot=3), add_generation_prompt=True, tokenize=True
-        )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    prompts = recipe_prompts(loaded.tokenizer, args.groups)
 
     results: dict[str, list[float]] = {"alone": [], "beside a busy process": []}
-    asyncio.run(_round(engine, prompts, args.in_flight))  # warm-up round, not counted
+    asyncio.run(run_round(engine, prompts, args.in_flight))  # warm-up round, not counted
     for _ in range(args.rounds):
         for condition in results:
             stop = multiprocessing.Event()
@@ -95,7 +104,7 @@ def main() -> None:
                 busy.start()
                 time.sleep(0.5)
             try:
-                rate = asyncio.run(_round(engine, prompts, args.in_flight))
+                rate = asyncio.run(run_round(engine, prompts, args.in_flight))
             finally:
                 stop.set()
                 if busy is not None:

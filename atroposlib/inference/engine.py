@@ -18,6 +18,12 @@ The KV cache is a transformers ``DynamicCache`` laid out left-padded: row ``i``'
 are the right-most columns with ``attention_mask[i] == 1``; positions are passed explicitly.
 This layout holds for models whose layers all use full attention (Llama, Qwen2, Mistral without
 sliding windows, ...), which is what the embedded server is for.
+
+Where the lean decode step runs and a batch starts with requests of several samples each (an
+RL environment's groups), the batch is a
+:class:`~atroposlib.inference.fastpath.GroupedBatch` instead: each request's prompt keys and
+values once, plus each row's generated ones, so a group of 16 neither copies its prompt 16
+times into the batch nor reads it 16 times per decode step.
 """
 
 from __future__ import annotations
@@ -582,7 +588,9 @@ class GenerationEngine:
         """Most bytes the key/value cache of ``rows`` sequences of up to ``tokens`` tokens each
         can hold: the batch is one left-padded tensor per layer, as wide as its longest row,
         grown with :data:`~atroposlib.inference.fastpath.attention.HEADROOM` spare positions,
-        and briefly held twice while it grows or takes new rows (a copy is made)."""
+        and briefly held twice while it grows or takes new rows (a copy is made). The grouped
+        layout (prompts once per request, float32) holds no more than this once requests have
+        two or more samples, which is when the engine uses it."""
         return 2 * rows * (tokens + HEADROOM) * self.kv_bytes_per_token
 
     @staticmethod

@@ -228,3 +228,25 @@ def test_engine_generates_the_same_with_prompts_stored_once(tiny_model_dir: Path
         for (got_ids, got_lp), (want_ids, want_lp) in zip(got_request, want_request, strict=True):
             assert got_ids == want_ids
             assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_engine_layouts_bench_runs() -> None:
+    """``bench/engine_layouts.py`` at toy size: both layouts run the recipe's load and the
+    default one decodes in the grouped layout."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "engine_layouts.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--groups", "2", "--in-flight", "2", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = {line.split(":")[0]: line for line in done.stdout.splitlines() if "median" in line}
+    assert set(lines) == {"prompt once per request", "prompt once per row"}, done.stdout
+    assert "(0 of " not in lines["prompt once per request"]
+    assert "(0 of " in lines["prompt once per row"]
+    assert "x" in done.stdout.splitlines()[-1]

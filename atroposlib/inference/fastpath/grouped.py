@@ -18,15 +18,15 @@ by the two weight totals are the softmax over all keys (as flash attention joins
 one request (and of one key/value head) are the query rows of one multiply with that
 request's prompt keys, so the prompt is read once per request, not once per row.
 
-Both levels are stored in float32 and both parts computed in float32 (scores, softmax and
-sums), as PyTorch's own CPU attention kernel accumulates; the result differs from
-``transformers``' single sdpa call only by that kernel's rounding (in a bfloat16 model it
-rounds probabilities to bfloat16 before multiplying with the values): float32 models agree to
-~1e-6 in the logits, bfloat16 models as closely as two bfloat16 batches of different
-composition do (measured against a float32 reference: the same mean error). Storing float32
-costs no more memory than the per-row layout it replaces once requests have two or more
-samples (the prompt is held once instead of ``n`` times); the engine uses this layout for
-batches of requests with several samples.
+Both parts are computed in float32 (scores, softmax and sums), as PyTorch's own CPU attention
+kernel accumulates; the result differs from ``transformers``' single sdpa call only by that
+kernel's rounding (in a bfloat16 model it rounds probabilities to bfloat16 before multiplying
+with the values): float32 models agree to ~1e-6 in the logits, bfloat16 models as closely as
+two bfloat16 batches of different composition do (measured against a float32 reference: the
+same mean error). The prompts are stored in float32 (converted once, not at every step); the
+rows' generated tokens in the model's dtype, converted while they are few and otherwise
+attended by PyTorch's flash kernel. With two or more samples per request this takes no more
+memory than the per-row layout it replaces (each prompt is held once instead of ``n`` times).
 
 Measured on the 2-core development machine (SmolLM2-135M in bf16, 12 requests x 16 rows,
 105-token prompts, 3 generated tokens each, attention of one layer): 2.43 ms through the
@@ -39,6 +39,14 @@ import torch
 
 #: Spare generated positions each row's own keys and values are allocated with.
 OWN_HEADROOM = 16
+
+#: Rows' generated keys and values in a dtype other than float32 are converted for plain
+#: float32 multiplies up to this many (rows x positions) per layer, and go through PyTorch's
+#: flash attention kernel in their own dtype beyond (long replies), where converting them at
+#: every step would cost more than the attention.
+MANUAL_MAX_POSITIONS = 4096
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _part(
@@ -58,6 +66,28 @@ def _part(
     top = scores.amax(dim=-1, keepdim=True)
     weights = scores.sub_(top).exp_()
     return torch.matmul(weights, values), top, weights.sum(dim=-1, keepdim=True)
+
+
+def _own_part(
+    query: torch.Tensor,
+    native_query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_part` over the rows' generated keys and values, stored in the model's dtype:
+    converted to float32 while they are few, else PyTorch's flash kernel on ``native_query``
+    (unscaled, the model's dtype), whose normalised output and log-sum-exp are the same
+    triple with a weight total of 1."""
+    if keys.dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= MANUAL_MAX_POSITIONS:
+        return _part(query, keys.float(), values.float(), bias)
+    mask = None
+    if bias is not None:
+        mask = bias.to(keys.dtype).expand(-1, -1, native_query.shape[2], -1)
+    out, lse = _flash(native_query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    lse = lse.unsqueeze(-1)
+    return out.float(), lse, torch.ones_like(lse)
 
 
 class GroupedBatch:
@@ -90,8 +120,8 @@ class GroupedBatch:
         self.sample = sample
         """``(rows,)``: each row's slot within its request (its sample index)."""
         self.own_keys = own_keys
-        """Per layer ``(rows, kv_heads, capacity, dim)`` float32 buffers; the first
-        ``own_width`` positions hold the generated tokens' keys, left-padded."""
+        """Per layer ``(rows, kv_heads, capacity, dim)`` buffers in the model's dtype; the
+        first ``own_width`` positions hold the generated tokens' keys, left-padded."""
         self.own_values = own_values
         self.own_mask = own_mask
         """``(rows, own_width)`` bool: True for a row's generated positions."""
@@ -122,7 +152,7 @@ class GroupedBatch:
         ]
         rows = len(group)
         own_keys, own_values = [], []
-        for k in keys:
+        for k, _ in layers:
             shape = (rows, k.shape[1], OWN_HEADROOM, k.shape[3])
             own_keys.append(k.new_empty(shape))
             own_values.append(k.new_empty(shape))
@@ -246,7 +276,8 @@ class GroupedBatch:
         rows, heads, _, dim = query.shape
         kv_heads = key.shape[1]
         per_kv = heads // kv_heads
-        q = query.reshape(rows, kv_heads, per_kv, dim).float().mul_(scale)
+        native = query.reshape(rows, kv_heads, per_kv, dim)
+        q = native.float().mul_(scale)
         # The prompt part: one multiply per request and key/value head, its rows' query heads
         # side by side (a slot per sample; slots of finished rows are zeros, never read back).
         requests, slots = self.prompt_mask.shape[0], self.slots
@@ -264,8 +295,8 @@ class GroupedBatch:
             ]
             for t in (out_p, top_p, sum_p)
         )
-        out_o, top_o, sum_o = _part(
-            q, own_k[:, :, : width + 1], own_v[:, :, : width + 1], self._own_bias
+        out_o, top_o, sum_o = _own_part(
+            q, native, own_k[:, :, : width + 1], own_v[:, :, : width + 1], self._own_bias, scale
         )
         # Both parts rescaled to the larger of their two maxima, then normalised together.
         top = torch.maximum(top_p, top_o)
