@@ -2,8 +2,8 @@
 
 Requests with several samples (GRPO groups) run in a layout that keeps each request's prompt
 keys and values once (``share_prompt_kv``, the default; ``GroupedBatch``); the other layout
-keeps them once per row. This bench loads the model twice in one process, one engine per
-layout, and runs the recipe's load on each in alternating rounds (groups of 16 replies of at
+keeps them once per row. This bench runs one engine on the recipe's load in rounds, switching
+its layout between rounds (alternating which goes first) (groups of 16 replies of at
 most 6 tokens to the env's ~100-token few-shot chat prompts, ``--in-flight`` groups at a time),
 then prints groups/s per layout and the decode steps each ran in the grouped layout.
 
@@ -36,34 +36,41 @@ def main() -> None:
 
     pin_mmap_threshold()
     torch.set_num_threads(1)
-    engines = {}
-    for name, share in (("prompt once per request", True), ("prompt once per row", False)):
-        loaded = load_model(args.model, args.dtype)
-        engine = GenerationEngine(
-            loaded.model, loaded.tokenizer, max_batch=256, threads=args.threads,
-            logprobs_mode="processed_logprobs", share_prompt_kv=share,
-        )  # fmt: skip
-        engine.warmup()
-        engines[name] = engine.start()
+    loaded = load_model(args.model, args.dtype)
+    engine = GenerationEngine(
+        loaded.model, loaded.tokenizer, max_batch=256, threads=args.threads,
+        logprobs_mode="processed_logprobs",
+    )  # fmt: skip
+    engine.warmup()
+    engine.start()
     use_heap_for_temporaries()
-    prompts = recipe_prompts(next(iter(engines.values())).tokenizer, args.groups)
-    for engine in engines.values():  # warm-up round, not counted
-        asyncio.run(run_round(engine, prompts, args.in_flight))
-    results: dict[str, list[float]] = {name: [] for name in engines}
-    for round_index in range(args.rounds):
-        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+    prompts = recipe_prompts(loaded.tokenizer, args.groups)
+    # One engine, its layout switched between rounds (a batch picks its layout when it starts,
+    # and each round drains the batch): two engines in one process would each keep an OpenMP
+    # pool, more threads than cores, which slows every step (see GenerationEngine).
+    layouts = {"prompt once per request": True, "prompt once per row": False}
+    results: dict[str, list[float]] = {name: [] for name in layouts}
+    grouped_steps = dict.fromkeys(layouts, 0)
+    steps = dict.fromkeys(layouts, 0)
+    for round_index in range(args.rounds + 1):
+        order = list(layouts) if round_index % 2 == 0 else list(reversed(layouts))
         for name in order:
-            rate = asyncio.run(run_round(engines[name], prompts, args.in_flight))
+            engine.share_prompt_kv = layouts[name]
+            before = dict(engine.stats)
+            rate = asyncio.run(run_round(engine, prompts, args.in_flight))
+            if round_index == 0:
+                continue  # warm-up round, not counted
             results[name].append(rate)
+            grouped_steps[name] += engine.stats["grouped_steps"] - before["grouped_steps"]
+            steps[name] += engine.stats["steps"] - before["steps"]
             print(f"{name}: {rate:.2f} groups/s", flush=True)
+    engine.shutdown()
     print()
-    for name, engine in engines.items():
-        stats = engine.stats
+    for name in layouts:
         print(
             f"{name}: median {statistics.median(results[name]):.2f} groups/s "
-            f"({stats['grouped_steps']} of {stats['steps']} decode steps grouped)"
+            f"({grouped_steps[name]} of {steps[name]} decode steps grouped)"
         )
-        engine.shutdown()
     shared, per_row = (statistics.median(r) for r in results.values())
     print(f"once per request / once per row: {shared / per_row:.2f}x")
 

@@ -44,7 +44,7 @@ OWN_HEADROOM = 16
 #: float32 multiplies up to this many (rows x positions) per layer, and go through PyTorch's
 #: flash attention kernel in their own dtype beyond (long replies), where converting them at
 #: every step would cost more than the attention.
-MANUAL_MAX_POSITIONS = 4096
+MANUAL_MAX_POSITIONS = 2048
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
