@@ -589,8 +589,10 @@ class GenerationEngine:
         can hold: the batch is one left-padded tensor per layer, as wide as its longest row,
         grown with :data:`~atroposlib.inference.fastpath.attention.HEADROOM` spare positions,
         and briefly held twice while it grows or takes new rows (a copy is made). The grouped
-        layout (prompts once per request, float32) holds no more than this once requests have
-        two or more samples, which is when the engine uses it."""
+        layout (:meth:`_use_grouped`: each prompt once, in float32; generated tokens per row in
+        the model's dtype) holds no more than this for requests of two or more samples. A
+        single-sample request that joins a grouped batch holds its prompt in float32: in a
+        bfloat16 model up to twice the prompt's share of this figure (not counted)."""
         return 2 * rows * (tokens + HEADROOM) * self.kv_bytes_per_token
 
     @staticmethod

@@ -84,3 +84,20 @@ def test_processed_logprobs_are_the_sampling_distribution() -> None:
     assert torch.isinf(processed[2]).sum() == 200 - 5  # outside the top-k: impossible
     assert torch.allclose(processed[2, top5], torch.log_softmax(logits[2, top5], -1))
     assert torch.isfinite(processed[torch.arange(3), tokens]).all()  # drawn tokens are possible
+
+
+def test_processed_logprobs_when_every_row_is_sampled_alike() -> None:
+    """The sampler's two shortcuts: at temperature 1 without filters the draw uses the raw
+    log-softmax (processed = raw), and when every row is sampled the processed rows are
+    returned without copying the raw ones; the figures are those of the general path."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 300)
+    plain = [_row(SamplingParams(max_tokens=1, temperature=1.0, seed=i)) for i in range(4)]
+    tokens, processed = sample_next(logits, plain, processed=True)
+    assert torch.allclose(processed, torch.log_softmax(logits, -1))
+    hot = [_row(SamplingParams(max_tokens=1, temperature=0.5, seed=i)) for i in range(4)]
+    _, processed = sample_next(logits, hot, processed=True)
+    assert torch.allclose(processed, torch.log_softmax(logits / 0.5, -1))
+    # Seeded rows draw the same tokens again (one uniform number per row from its generator).
+    again, _ = sample_next(logits, [_row(SamplingParams(max_tokens=1, seed=i)) for i in range(4)])
+    assert torch.equal(tokens, again)
