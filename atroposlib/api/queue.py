@@ -516,9 +516,16 @@ class TrajectoryQueue:
                     packed = math.ceil(seqs / max_group_size) * max_group_size
                     available += max(0, packed - minimum_seqs.get(other, 0))
 
+            queue_size = (own + available) // env_group_size
+            if self._unpackable():
+                # A batch's worth of sequences is queued but no set of whole groups makes
+                # exactly one batch (e.g. groups of 16, 15 and 15 for a batch of 32, after an
+                # env dropped a few short completions): counted as queued, it made envs stop
+                # generating while the trainer waited for a batch that could never form.
+                queue_size = 0
             return {
                 "current_step": self.step,
-                "queue_size": (own + available) // env_group_size,
+                "queue_size": queue_size,
                 "unallocated_fraction": self.registry.unallocated_fraction(),
                 "self_queue_size": own // env_group_size,
                 "max_group_size": max_group_size,
@@ -879,6 +886,18 @@ class TrajectoryQueue:
             ack,
         )
         return Batch([g.payload for g in self._inflight[step]], step, redelivered=True)
+
+    def _unpackable(self) -> bool:
+        """At least a batch's worth of sequences is queued, yet no set of whole queued groups
+        makes exactly one batch (upstream counted such a queue as full; see ``status_env``)."""
+        batch_size = self.batch_size
+        if batch_size <= 0 or self._queued.sequences < batch_size:
+            return False
+        sizes = {size for counts in self._queued.sizes_by_env.values() for size in counts}
+        if len(sizes) == 1 and batch_size % next(iter(sizes)) == 0:
+            return False  # uniform groups that divide the batch: always packable
+        queued = self._queued.groups.values()
+        return exact_fill((g.size for g in queued), batch_size) is None
 
     def _choose(self) -> list[StoredGroup]:
         """The queued groups of one exact batch (:mod:`atroposlib.api.packing`), or []."""

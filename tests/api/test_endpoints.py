@@ -192,6 +192,27 @@ def test_status_env_counts_own_and_others(api: httpx.Client) -> None:
     assert sb["self_queue_size"] == 1 and sb["queue_size"] == (4 + 8) // 4
 
 
+def test_status_env_does_not_count_a_queue_that_cannot_make_a_batch(api: httpx.Client) -> None:
+    """Groups of 16, 15 and 15 (an env dropped a few short completions) for a batch of 32:
+    46 sequences, yet no exact batch. Counted as two queued groups, the env's throttle saw a
+    full queue and stopped generating while the trainer waited for a batch (a gsm8k-format
+    run hung for minutes); the queue now reads as empty until a batch can form."""
+    start_run(api, batch_size=32)
+    env = add_env(api, group_size=16)
+    for size, tag in ((16, 0), (15, 1), (15, 2)):
+        api.post("/scored_data", json=group(size, env_id=env, tag=tag))
+    assert api.get("/batch").json() == {"batch": None}
+    status = api.get("/status-env", params={"env_id": env}).json()
+    assert status["queue_size"] == 0
+    assert status["self_queue_size"] == 46 // 16
+    api.post("/scored_data", json=group(16, env_id=env, tag=3))
+    status = api.get("/status-env", params={"env_id": env}).json()
+    assert status["queue_size"] == 62 // 16
+    assert tags(api.get("/batch").json()["batch"]) == [0, 3]
+    # what is left (15 + 15) is less than a batch: counted as queued, as before
+    assert api.get("/status-env", params={"env_id": env}).json()["queue_size"] == 30 // 16
+
+
 def test_min_batch_allocation_reserves_share(api: httpx.Client) -> None:
     start_run(api, batch_size=8)
     a = add_env(api, name="a", group_size=2)

@@ -14,9 +14,10 @@ prompt part is nearly all of the cache. :class:`GroupedBatch` keeps two levels i
 Attention for one new token per row runs over both and joins them exactly: each part returns
 its weighted sum of values with weights ``exp(s - m)`` relative to its largest score ``m``,
 and the sum of those weights; rescaled to the larger of the two maxima, the two sums divided
-by the two weight totals are the softmax over all keys (as flash attention joins blocks). The query heads of the rows of
-one request (and of one key/value head) are the query rows of one multiply with that
-request's prompt keys, so the prompt is read once per request, not once per row.
+by the two weight totals are the softmax over all keys (as flash attention joins blocks).
+The query heads of the rows of one request (and of one key/value head) are the query rows of
+one multiply with that request's prompt keys, so the prompt is read once per request, not
+once per row.
 
 Both parts are computed in float32 (scores, softmax and sums), as PyTorch's own CPU attention
 kernel accumulates; the result differs from ``transformers``' single sdpa call only by that
