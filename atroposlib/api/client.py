@@ -347,6 +347,12 @@ class TrainerClient:
         size = (self._registration or {}).get("batch_size", "?")
         if self.long_poll_supported and self.last_fill is not None:
             queued, held = self.last_fill
+            if isinstance(size, int) and queued >= size:
+                return (
+                    f"a batch of {size} sequences; run-api has {queued} queued, but no set of "
+                    f"whole queued groups adds up to exactly {size} sequences yet (or an env's "
+                    "minimum batch allocation holds batches back); waiting for more groups"
+                )
             return (
                 f"a batch of {size} sequences; run-api has {queued} queued and {held} held as "
                 "parts of groups (are environments running and sending data?)"

@@ -301,3 +301,19 @@ def test_trainer_client_falls_back_to_polling_without_long_poll() -> None:
     assert client.long_poll_supported is False
     assert "wait" in seen[0].params
     assert all("wait" not in url.params for url in seen[1:])
+
+
+def test_a_waiting_trainer_says_when_the_queue_cannot_make_a_batch(api: httpx.Client) -> None:
+    """Enough sequences queued but no exact batch (16 + 15 + 15 for 32): the client's
+    "waiting for a batch" line says so instead of asking whether envs are running."""
+    with TrainerClient(str(api.base_url), api_key="", long_poll=0.2) as client:
+        client.register(batch_size=32, max_token_len=64, num_steps=5)
+        assert client.try_batch() is None  # opens env registration
+        env = add_env(api, group_size=16)
+        for size, tag in ((16, 0), (15, 1), (15, 2)):
+            api.post("/scored_data", json=group(size, env_id=env, tag=tag))
+        assert client.try_batch(wait=0.2) is None
+        waiting = client._waits_for()
+        assert "46 queued" in waiting and "adds up to exactly 32" in waiting, waiting
+        api.post("/scored_data", json=group(16, env_id=env, tag=3))
+        assert tags(client.get_batch(timeout=30)) == [0, 3]
