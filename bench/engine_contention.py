@@ -71,14 +71,18 @@ async def run_round(engine: GenerationEngine, prompts: list[list[int]], in_fligh
     return len(prompts) / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def recipe_setup(
+    description: str, groups: int, rounds: int
+) -> tuple[argparse.Namespace, GenerationEngine, list[list[int]]]:
+    """Parse the recipe-load benches' shared flags and start an engine the way atropos-serve
+    runs it (one thread per core, heap temporaries): ``(args, engine, prompts)``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=24, help="groups per round")
+    parser.add_argument("--groups", type=int, default=groups, help="groups per round")
     parser.add_argument("--in-flight", type=int, default=8, help="groups generating at once")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of each condition")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds of each condition")
     args = parser.parse_args()
 
     pin_mmap_threshold()
@@ -91,7 +95,11 @@ def main() -> None:
     engine.warmup()
     engine.start()
     use_heap_for_temporaries()
-    prompts = recipe_prompts(loaded.tokenizer, args.groups)
+    return args, engine, recipe_prompts(loaded.tokenizer, args.groups)
+
+
+def main() -> None:
+    args, engine, prompts = recipe_setup(__doc__.split("\n\n")[0], groups=24, rounds=2)
 
     results: dict[str, list[float]] = {"alone": [], "beside a busy process": []}
     asyncio.run(run_round(engine, prompts, args.in_flight))  # warm-up round, not counted

@@ -12,39 +12,14 @@ then prints groups/s per layout and the decode steps each ran in the grouped lay
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 
-import torch
-from engine_contention import recipe_prompts, run_round
-
-from atroposlib.inference.engine import GenerationEngine
-from atroposlib.inference.models import load_model
-from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries
+from engine_contention import recipe_setup, run_round
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--groups", type=int, default=48, help="groups per round")
-    parser.add_argument("--in-flight", type=int, default=8, help="groups generating at once")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each layout")
-    args = parser.parse_args()
-
-    pin_mmap_threshold()
-    torch.set_num_threads(1)
-    loaded = load_model(args.model, args.dtype)
-    engine = GenerationEngine(
-        loaded.model, loaded.tokenizer, max_batch=256, threads=args.threads,
-        logprobs_mode="processed_logprobs",
-    )  # fmt: skip
-    engine.warmup()
-    engine.start()
-    use_heap_for_temporaries()
-    prompts = recipe_prompts(loaded.tokenizer, args.groups)
+    args, engine, prompts = recipe_setup(__doc__.split("\n\n")[0], groups=48, rounds=3)
     # One engine, its layout switched between rounds (a batch picks its layout when it starts,
     # and each round drains the batch): two engines in one process would each keep an OpenMP
     # pool, more threads than cores, which slows every step (see GenerationEngine).
