@@ -250,3 +250,26 @@ def test_engine_layouts_bench_runs() -> None:
     assert "(0 of " not in lines["prompt once per request"]
     assert "(0 of " in lines["prompt once per row"]
     assert "x" in done.stdout.splitlines()[-1]
+
+
+def test_long_replies_take_the_flash_kernel_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows' generated keys in bfloat16 beyond ``MANUAL_MAX_POSITIONS`` go through PyTorch's
+    flash kernel; its normalised output and log-sum-exp must be the float32 multiplies' (to
+    bfloat16 rounding of the output), masked positions included."""
+    from atroposlib.inference.fastpath import grouped
+
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, per_kv, dim, width = 8, 3, 3, 64, 40
+    native = torch.randn(rows, kv_heads, per_kv, dim, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(rows, kv_heads, width, dim, generator=gen).to(torch.bfloat16)
+    values = torch.randn(rows, kv_heads, width, dim, generator=gen).to(torch.bfloat16)
+    bias = torch.zeros(rows, 1, 1, width)
+    bias[::3, ..., :5] = float("-inf")  # left padding of some rows
+    query = native.float() * 0.125
+    out, top, total = grouped._part(query, keys.float(), values.float(), bias)
+    monkeypatch.setattr(grouped, "MANUAL_MAX_POSITIONS", 0)
+    flash_out, flash_top, flash_total = grouped._own_part(query, native, keys, values, bias, 0.125)
+    torch.testing.assert_close(flash_out / flash_total, out / total, rtol=0, atol=1e-2)
+    torch.testing.assert_close(flash_top + flash_total.log(), top + total.log(), rtol=0, atol=1e-3)
