@@ -893,9 +893,8 @@ class TrajectoryQueue:
         batch_size = self.batch_size
         if batch_size <= 0 or self._queued.sequences < batch_size:
             return False
-        sizes = {size for counts in self._queued.sizes_by_env.values() for size in counts}
-        if len(sizes) == 1 and batch_size % next(iter(sizes)) == 0:
-            return False  # uniform groups that divide the batch: always packable
+        # exact_fill reads the queue lazily: the usual case (the oldest groups make a batch)
+        # stops after them
         queued = self._queued.groups.values()
         return exact_fill((g.size for g in queued), batch_size) is None
 

@@ -1084,7 +1084,6 @@ class GenerationEngine:
         sample per request there is nothing to share and its extra operations cost ~10%."""
         return (
             self.share_prompt_kv
-            and self._fast.append_cache
             and self._fast.grouped
             and sum(samples) >= GROUPED_MIN_SAMPLES * len(samples)
         )

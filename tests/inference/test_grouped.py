@@ -13,7 +13,11 @@ import torch
 
 from atroposlib.inference import fastpath
 from atroposlib.inference.engine import GROUPED_MIN_SAMPLES, GenerationEngine
-from atroposlib.inference.fastpath.attention import append_cache, select_rows
+from atroposlib.inference.fastpath.attention import (
+    append_cache,
+    select_rows,
+    stacked_append_cache,
+)
 from atroposlib.inference.fastpath.grouped import OWN_HEADROOM, GroupedBatch
 from atroposlib.inference.fastpath.packed_linear import packing_supported
 from atroposlib.inference.models import load_model
@@ -49,20 +53,8 @@ class _PerRow:
 
     def merge(self, other: _PerRow) -> None:
         width = max(self.mask.shape[1], other.mask.shape[1])
-        layers = []
-        for a, b in zip(self.cache.layers, other.cache.layers, strict=True):
-            pad = [(0, 0, width - a.keys.shape[2], 0), (0, 0, width - b.keys.shape[2], 0)]
-            keys = torch.cat(
-                [torch.nn.functional.pad(a.keys, pad[0]), torch.nn.functional.pad(b.keys, pad[1])]
-            )
-            values = torch.cat(
-                [
-                    torch.nn.functional.pad(a.values, pad[0]),
-                    torch.nn.functional.pad(b.values, pad[1]),
-                ]
-            )
-            layers.append((keys, values))
-        self.cache = self.prepared.batch_cache(layers)
+        parts = [[(x.keys, x.values) for x in c.layers] for c in (self.cache, other.cache)]
+        self.cache = stacked_append_cache(parts, width)
         self.mask = torch.cat(
             [
                 torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0)),

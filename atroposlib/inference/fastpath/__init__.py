@@ -146,10 +146,10 @@ class PreparedModel:
         once per request, :mod:`.grouped`), appending to it; None when the lean step cannot
         run (the caller converts the batch with :meth:`GroupedBatch.to_padded` and decodes
         with the model's forward pass)."""
-        lean = self.lean
-        if lean is None or not lean.current():
+        if not self.grouped:
             return None
-        return lean.decode_grouped(input_ids, batch)
+        assert self.lean is not None
+        return self.lean.decode_grouped(input_ids, batch)
 
     @property
     def decode_path(self) -> str:

@@ -191,6 +191,37 @@ def _buffered_layer(
     return layer
 
 
+def stack_right_aligned(
+    tensors: list[torch.Tensor], width: int, spare: int = HEADROOM
+) -> torch.Tensor:
+    """The rows of ``tensors`` (each ``(rows, heads, length, dim)``), in order, in one new
+    buffer of ``width + spare`` positions, each right-aligned to ``width`` with zeros on the
+    left (masked padding must be finite); the ``spare`` positions are left unwritten."""
+    first = tensors[0]
+    rows = sum(t.shape[0] for t in tensors)
+    buffer = first.new_empty((rows, first.shape[1], width + spare, first.shape[3]))
+    row = 0
+    for tensor in tensors:
+        n, length = tensor.shape[0], tensor.shape[2]
+        if length < width:
+            buffer[row : row + n, :, : width - length].zero_()
+        buffer[row : row + n, :, width - length : width].copy_(tensor)
+        row += n
+    return buffer
+
+
+def gather_rows(
+    tensor: torch.Tensor, index: torch.Tensor, leading: int, width: int, spare: int = HEADROOM
+) -> torch.Tensor:
+    """Rows ``index`` of ``tensor`` ``(rows, heads, positions, dim)``, positions ``leading`` to
+    ``leading + width``, gathered straight into a new buffer of ``width + spare`` positions
+    (one copy; the ``spare`` positions are left unwritten)."""
+    shape = (len(index), tensor.shape[1], width + spare, tensor.shape[3])
+    buffer = tensor.new_empty(shape)
+    torch.index_select(tensor[:, :, leading : leading + width], 0, index, out=buffer[:, :, :width])
+    return buffer
+
+
 def stacked_append_cache(
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int
 ) -> DynamicCache:
@@ -201,19 +232,8 @@ def stacked_append_cache(
     cache = DynamicCache()
     cache.layers = []
     for per_part in zip(*parts, strict=True):
-        k0, v0 = per_part[0]
-        rows = sum(k.shape[0] for k, _ in per_part)
-        kbuf = k0.new_empty((rows, k0.shape[1], width + HEADROOM, k0.shape[3]))
-        vbuf = v0.new_empty((rows, v0.shape[1], width + HEADROOM, v0.shape[3]))
-        row = 0
-        for keys, values in per_part:
-            n, length = keys.shape[0], keys.shape[2]
-            if length < width:
-                kbuf[row : row + n, :, : width - length].zero_()
-                vbuf[row : row + n, :, : width - length].zero_()
-            kbuf[row : row + n, :, width - length : width].copy_(keys)
-            vbuf[row : row + n, :, width - length : width].copy_(values)
-            row += n
+        kbuf = stack_right_aligned([keys for keys, _ in per_part], width)
+        vbuf = stack_right_aligned([values for _, values in per_part], width)
         cache.layers.append(_buffered_layer(kbuf, vbuf, width))
     return cache
 
@@ -223,11 +243,7 @@ def select_rows(cache: DynamicCache, index: torch.Tensor, leading: int) -> None:
     ``leading`` positions, gathered straight into new buffers with :data:`HEADROOM` spare
     positions (one copy; selecting, trimming and re-buffering made three)."""
     for i, layer in enumerate(cache.layers):
-        keys, values = layer.keys, layer.values
-        width = keys.shape[2] - leading
-        shape = (len(index), keys.shape[1], width + HEADROOM, keys.shape[3])
-        kbuf = keys.new_empty(shape)
-        vbuf = values.new_empty(shape[:-1] + (values.shape[3],))
-        torch.index_select(keys[:, :, leading:], 0, index, out=kbuf[:, :, :width])
-        torch.index_select(values[:, :, leading:], 0, index, out=vbuf[:, :, :width])
+        width = layer.keys.shape[2] - leading
+        kbuf = gather_rows(layer.keys, index, leading, width)
+        vbuf = gather_rows(layer.values, index, leading, width)
         cache.layers[i] = _buffered_layer(kbuf, vbuf, width)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import gather_rows, stack_right_aligned
+
 #: Spare generated positions each row's own keys and values are allocated with.
 OWN_HEADROOM = 16
 
@@ -167,19 +169,25 @@ class GroupedBatch:
         both left-padded to the wider side)."""
         requests = self.prompt_mask.shape[0]
         p_width = max(self.prompt_mask.shape[1], other.prompt_mask.shape[1])
-        self.prompt_keys = _stack_left_padded(self.prompt_keys, other.prompt_keys, p_width)
-        self.prompt_values = _stack_left_padded(self.prompt_values, other.prompt_values, p_width)
+        self.prompt_keys = [
+            stack_right_aligned([a, b], p_width, spare=0)
+            for a, b in zip(self.prompt_keys, other.prompt_keys, strict=True)
+        ]
+        self.prompt_values = [
+            stack_right_aligned([a, b], p_width, spare=0)
+            for a, b in zip(self.prompt_values, other.prompt_values, strict=True)
+        ]
         self.prompt_mask = torch.cat(
             [_pad_mask(self.prompt_mask, p_width), _pad_mask(other.prompt_mask, p_width)]
         )
         o_width = max(self.own_width, other.own_width)
-        capacity = o_width + OWN_HEADROOM
-        self.own_keys = _stack_own(
-            self.own_keys, other.own_keys, self.own_width, other.own_width, o_width, capacity
-        )
-        self.own_values = _stack_own(
-            self.own_values, other.own_values, self.own_width, other.own_width, o_width, capacity
-        )
+        for mine, theirs in ((self.own_keys, other.own_keys), (self.own_values, other.own_values)):
+            for layer, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+                mine[layer] = stack_right_aligned(
+                    [a[:, :, : self.own_width], b[:, :, : other.own_width]],
+                    o_width,
+                    spare=OWN_HEADROOM,
+                )
         self.own_mask = torch.cat(
             [_pad_mask(self.own_mask, o_width), _pad_mask(other.own_mask, o_width)]
         )
@@ -191,17 +199,11 @@ class GroupedBatch:
         """Keep rows ``index`` (in that order); drop generated positions no row needs and the
         prompts of requests with no row left."""
         mask = self.own_mask[index]
-        leading = int((~mask).all(dim=0).cumprod(dim=0).sum()) if mask.shape[1] else 0
+        leading = _leading_padding(mask)
         width = mask.shape[1] - leading
-        capacity = width + OWN_HEADROOM
-        for layer in range(len(self.own_keys)):
-            for buffers in (self.own_keys, self.own_values):
-                old = buffers[layer]
-                new = old.new_empty((len(index), old.shape[1], capacity, old.shape[3]))
-                torch.index_select(
-                    old[:, :, leading : leading + width], 0, index, out=new[:, :, :width]
-                )
-                buffers[layer] = new
+        for buffers in (self.own_keys, self.own_values):
+            for layer, old in enumerate(buffers):
+                buffers[layer] = gather_rows(old, index, leading, width, spare=OWN_HEADROOM)
         self.own_mask = mask[:, leading:]
         self.group = self.group[index]
         self.sample = self.sample[index]
@@ -216,7 +218,7 @@ class GroupedBatch:
             return
         index = used.nonzero().squeeze(1)
         mask = self.prompt_mask[index]
-        leading = int((~mask).all(dim=0).cumprod(dim=0).sum())
+        leading = _leading_padding(mask)
         self.prompt_keys = [k[index, :, leading:].contiguous() for k in self.prompt_keys]
         self.prompt_values = [v[index, :, leading:].contiguous() for v in self.prompt_values]
         self.prompt_mask = mask[:, leading:]
@@ -342,44 +344,13 @@ def _bias(mask: torch.Tensor) -> torch.Tensor | None:
     return bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]
 
 
+def _leading_padding(mask: torch.Tensor) -> int:
+    """Columns on the left of ``mask`` ``(rows, width)`` that are padding in every row."""
+    return int((~mask).all(dim=0).cumprod(dim=0).sum()) if mask.shape[1] else 0
+
+
 def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
     missing = width - mask.shape[1]
     if missing == 0:
         return mask
     return torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
-
-
-def _stack_left_padded(
-    first: list[torch.Tensor], second: list[torch.Tensor], width: int
-) -> list[torch.Tensor]:
-    """Per layer, ``first``'s entries then ``second``'s in one tensor ``width`` positions wide,
-    each right-aligned with zeros on the left (masked padding must be finite)."""
-    stacked = []
-    for a, b in zip(first, second, strict=True):
-        out = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], width, a.shape[3]))
-        out[: a.shape[0], :, width - a.shape[2] :] = a
-        out[a.shape[0] :, :, width - b.shape[2] :] = b
-        stacked.append(out)
-    return stacked
-
-
-def _stack_own(
-    first: list[torch.Tensor],
-    second: list[torch.Tensor],
-    first_width: int,
-    second_width: int,
-    width: int,
-    capacity: int,
-) -> list[torch.Tensor]:
-    """Per layer, the rows' generated positions of ``first`` then ``second`` in one buffer of
-    ``capacity`` positions, right-aligned to ``width`` with zeros on the left."""
-    stacked = []
-    for a, b in zip(first, second, strict=True):
-        rows_a = a.shape[0]
-        out = a.new_empty((rows_a + b.shape[0], a.shape[1], capacity, a.shape[3]))
-        out[:rows_a, :, : width - first_width] = 0
-        out[:rows_a, :, width - first_width : width] = a[:, :, :first_width]
-        out[rows_a:, :, : width - second_width] = 0
-        out[rows_a:, :, width - second_width : width] = b[:, :, :second_width]
-        stacked.append(out)
-    return stacked
