@@ -8,6 +8,7 @@ written under a temporary name and renamed, so a crash never leaves a half-writt
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -22,6 +23,46 @@ TRAINER_STATE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+class CheckpointSpaceError(OSError):
+    """A checkpoint could not be written because its file system is full."""
+
+
+_NEARLY_FULL = 1 << 20  # bytes: a failed write with less than this free failed for want of it
+
+
+def _out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether a write into ``folder`` failed with ``exc`` because the device is full: an
+    ``OSError`` with ``ENOSPC``/``EDQUOT``, safetensors' Rust I/O error ("StorageFull"), or
+    any failure while (nearly) nothing is free there (torch.save says only "file write
+    failed"). Call it before removing what the write left."""
+    try:
+        if shutil.disk_usage(folder).free < _NEARLY_FULL:
+            return True
+    except OSError:
+        pass
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(seen)
+        if "No space left on device" in text or "StorageFull" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _space_error(what: str, path: Path, nbytes: int) -> CheckpointSpaceError:
+    """The one-line explanation of a checkpoint part that did not fit on its disk."""
+    free = shutil.disk_usage(path.parent).free
+    return CheckpointSpaceError(
+        errno.ENOSPC,
+        f"no space left on the device for {what} {path} ({nbytes / 1e6:,.0f} MB; "
+        f"{free / 1e6:,.0f} MB free there): free some space, or write checkpoints elsewhere "
+        "(--save-path; quickstart's --output) or less often (--checkpoint-interval, "
+        "--keep-checkpoints)",
+    )
+
+
 def step_dir(save_path: Path, step: int) -> Path:
     """``save_path/step_{step}``."""
     return save_path / f"step_{step}"
@@ -31,6 +72,8 @@ def save_checkpoint(path: Path, model: torch.nn.Module, tokenizer: Any, *, step:
     """Write ``model`` + ``tokenizer`` to ``path`` (replacing an existing folder); returns it.
 
     This is what inference servers load. ``save_trainer_state`` adds what resuming needs.
+    A full disk raises ``CheckpointSpaceError`` (an ``OSError``) saying so, with nothing
+    half-written left behind.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{time.monotonic_ns()}")
@@ -42,8 +85,12 @@ def save_checkpoint(path: Path, model: torch.nn.Module, tokenizer: Any, *, step:
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
-    except BaseException:
+    except BaseException as exc:
+        full = isinstance(exc, Exception) and _out_of_space(exc, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            size = sum(p.numel() * p.element_size() for p in model.parameters())
+            raise _space_error("the checkpoint", path, size) from exc
         raise
     return path
 
@@ -62,16 +109,29 @@ def save_trainer_state(
     half-written.
     """
     tmp = Path(path) / f".{TRAINER_STATE}.tmp"
-    torch.save(
-        {
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": torch.get_rng_state(),
-            "config": config,
-        },
-        tmp,
-    )
+    try:
+        torch.save(
+            {
+                "step": step,
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": torch.get_rng_state(),
+                "config": config,
+            },
+            tmp,
+        )
+    except Exception as exc:
+        full = _out_of_space(exc, tmp.parent)
+        tmp.unlink(missing_ok=True)
+        if full:
+            state = sum(
+                t.numel() * t.element_size()
+                for group in optimizer.state.values()
+                for t in group.values()
+                if isinstance(t, torch.Tensor)
+            )
+            raise _space_error("the optimizer state", Path(path) / TRAINER_STATE, state) from exc
+        raise
     os.replace(tmp, Path(path) / TRAINER_STATE)
 
 

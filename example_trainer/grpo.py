@@ -39,6 +39,7 @@ from atroposlib.trainer.throughput import (
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
 from example_trainer.checkpoint import (
+    CheckpointSpaceError,
     latest_resumable,
     load_trainer_state,
     prune_checkpoints,
@@ -631,6 +632,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("atropos-grpo: interrupted; child processes stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except CheckpointSpaceError as exc:
+        raise SystemExit(f"atropos-grpo: {exc.strerror}") from None
     print(f"atropos-grpo: done; final model in {final}", file=sys.stderr)
 
 

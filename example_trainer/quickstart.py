@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
 from example_trainer.api import TrajectoryAPIError
+from example_trainer.checkpoint import CheckpointSpaceError
 from example_trainer.inference_process import InferenceLaunchError
 from example_trainer.recipes import RECIPES
 
@@ -477,6 +478,9 @@ def run(args: QuickstartOptions) -> int:
         return 130
     except (InferenceLaunchError, RunFailed) as exc:
         print(f"atropos-quickstart: {exc}", file=sys.stderr)
+        return 1
+    except CheckpointSpaceError as exc:
+        print(f"atropos-quickstart: {exc.strerror}", file=sys.stderr)
         return 1
     except TrajectoryAPIError as exc:
         env_state = launched.states.get("env")

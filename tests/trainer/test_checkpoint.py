@@ -1,0 +1,131 @@
+"""Checkpoints on a full disk: one clear error naming what to change, nothing half-written.
+
+A full file system cannot be made without privileges, so the write fails the way the kernel
+and safetensors report it (``OSError`` ENOSPC; safetensors' Rust ``StorageFull``); the model,
+tokenizer and folders are real.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from atroposlib.inference.assets import smollm2_tokenizer_dir
+from example_trainer.checkpoint import (
+    TRAINER_STATE,
+    CheckpointSpaceError,
+    save_checkpoint,
+    save_trainer_state,
+    step_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer() -> tuple[LlamaForCausalLM, object]:
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_checkpoint_round_trip_writes_a_loadable_folder(model_and_tokenizer, tmp_path) -> None:
+    model, tokenizer = model_and_tokenizer
+    folder = save_checkpoint(step_dir(tmp_path, 2), model, tokenizer, step=2)
+    assert folder == tmp_path / "step_2"
+    again = LlamaForCausalLM.from_pretrained(folder)
+    saved = again.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    assert _leftovers(tmp_path) == []
+
+
+def test_full_disk_while_writing_the_tokenizer(model_and_tokenizer, tmp_path, monkeypatch) -> None:
+    model, tokenizer = model_and_tokenizer
+    old = save_checkpoint(step_dir(tmp_path, 3), model, tokenizer, step=3)
+    before = sorted(p.name for p in old.iterdir())
+
+    def full(folder, *args, **kwargs):
+        (Path(folder) / "tokenizer.json").write_text("{")  # a partial file, then the device fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tokenizer, "save_pretrained", full)
+    with pytest.raises(CheckpointSpaceError) as caught:
+        save_checkpoint(step_dir(tmp_path, 3), model, tokenizer, step=3)
+    message = caught.value.strerror
+    assert message.startswith("no space left on the device for the checkpoint ")
+    assert str(tmp_path / "step_3") in message
+    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    assert f"({size_mb:,.0f} MB;" in message
+    for hint in ("--save-path", "--output", "--checkpoint-interval", "--keep-checkpoints"):
+        assert hint in message
+    assert caught.value.errno == errno.ENOSPC
+    # nothing half-written; the previous folder of that step is untouched
+    assert _leftovers(tmp_path) == []
+    assert sorted(p.name for p in old.iterdir()) == before
+
+
+def test_full_disk_as_safetensors_reports_it(model_and_tokenizer, tmp_path, monkeypatch) -> None:
+    model, tokenizer = model_and_tokenizer
+
+    def full(*args, **kwargs):
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        )
+
+    monkeypatch.setattr(model, "save_pretrained", full)
+    with pytest.raises(CheckpointSpaceError, match="no space left on the device"):
+        save_checkpoint(tmp_path / "final_model", model, tokenizer, step=5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_write_errors_pass_through(model_and_tokenizer, tmp_path, monkeypatch) -> None:
+    model, tokenizer = model_and_tokenizer
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(model, "save_pretrained", denied)
+    with pytest.raises(PermissionError) as caught:
+        save_checkpoint(tmp_path / "step_1", model, tokenizer, step=1)
+    assert not isinstance(caught.value, CheckpointSpaceError)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_while_writing_the_optimizer_state(
+    model_and_tokenizer, tmp_path, monkeypatch
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    folder = save_checkpoint(step_dir(tmp_path, 4), model, tokenizer, step=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)  # the file exists, then the close fails
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 256"
+        ) from OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointSpaceError) as caught:
+        save_trainer_state(folder, step=4, optimizer=optimizer)
+    assert "the optimizer state" in caught.value.strerror
+    assert str(folder / TRAINER_STATE) in caught.value.strerror
+    assert not (folder / TRAINER_STATE).exists()
+    assert _leftovers(folder) == []
