@@ -57,9 +57,9 @@ def _space_error(what: str, path: Path, nbytes: int) -> CheckpointSpaceError:
     return CheckpointSpaceError(
         errno.ENOSPC,
         f"no space left on the device for {what} {path} ({nbytes / 1e6:,.0f} MB; "
-        f"{free / 1e6:,.0f} MB free there): free some space, or write checkpoints elsewhere "
-        "(--save-path; quickstart's --output) or less often (--checkpoint-interval, "
-        "--keep-checkpoints)",
+        f"{free / 1e6:,.0f} MB free there): free some space, or write checkpoints to another "
+        "disk or less often (the trainer's --save-path, --checkpoint-interval, "
+        "--keep-checkpoints; atropos-quickstart's --output, --trainer-arg checkpoint_interval=N)",
     )
 
 

@@ -70,7 +70,7 @@ def test_full_disk_while_writing_the_tokenizer(model_and_tokenizer, tmp_path, mo
     assert str(tmp_path / "step_3") in message
     size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     assert f"({size_mb:,.0f} MB;" in message
-    for hint in ("--save-path", "--output", "--checkpoint-interval", "--keep-checkpoints"):
+    for hint in ("--save-path", "--checkpoint-interval", "--keep-checkpoints", "--output"):
         assert hint in message
     assert caught.value.errno == errno.ENOSPC
     # nothing half-written; the previous folder of that step is untouched
