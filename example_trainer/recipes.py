@@ -67,7 +67,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "gsm8k-format": Recipe(
         summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "
-        "number (the bundled train split; 200 held-out test problems before/after), ~12 min on "
+        "number (the bundled train split; 200 held-out test problems before/after), ~10 min on "
         "2 CPU cores with bfloat16 units (AVX-512 BF16), longer without",
         flags={
             "env": "gsm8k",
@@ -86,7 +86,7 @@ RECIPES: dict[str, Recipe] = {
             "env.prompt_suffix=\n\nSolve it step by step. Write the final answer as \\boxed{N}.",
             "env.max_answer_tokens=128",
             "env.max_eval_items=200",
-            "env.temperature=0.6",
+            "env.temperature=0.4",
             "env.format_reward=1.0",
             "env.box_reward=0.5",
             "env.format_min_tokens=24",
