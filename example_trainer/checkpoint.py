@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,29 @@ def _space_error(what: str, path: Path, nbytes: int) -> CheckpointSpaceError:
     )
 
 
+def _tensor_bytes(tensors: Any) -> int:
+    """Bytes held by the tensors among ``tensors`` (anything else is skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@contextmanager
+def _writing(scratch: Path, what: str, target: Path, nbytes: Callable[[], int]) -> Iterator[None]:
+    """Around a write into ``scratch`` (the temporary file or folder of ``target``): on any
+    failure ``scratch`` is removed; a full disk becomes one :class:`CheckpointSpaceError`
+    naming ``what``, ``target`` and its size ``nbytes()``."""
+    try:
+        yield
+    except BaseException as exc:
+        full = isinstance(exc, Exception) and _out_of_space(exc, scratch.parent)
+        if scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            scratch.unlink(missing_ok=True)
+        if full:
+            raise _space_error(what, target, nbytes()) from exc
+        raise
+
+
 def step_dir(save_path: Path, step: int) -> Path:
     """``save_path/step_{step}``."""
     return save_path / f"step_{step}"
@@ -78,20 +103,13 @@ def save_checkpoint(path: Path, model: torch.nn.Module, tokenizer: Any, *, step:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{time.monotonic_ns()}")
     tmp.mkdir(parents=True)
-    try:
+    with _writing(tmp, "the checkpoint", path, lambda: _tensor_bytes(model.parameters())):
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "atropos_step.json").write_text(json.dumps({"step": step}))
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
-    except BaseException as exc:
-        full = isinstance(exc, Exception) and _out_of_space(exc, tmp.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            size = sum(p.numel() * p.element_size() for p in model.parameters())
-            raise _space_error("the checkpoint", path, size) from exc
-        raise
     return path
 
 
@@ -109,7 +127,11 @@ def save_trainer_state(
     half-written.
     """
     tmp = Path(path) / f".{TRAINER_STATE}.tmp"
-    try:
+
+    def state_bytes() -> int:
+        return _tensor_bytes(t for group in optimizer.state.values() for t in group.values())
+
+    with _writing(tmp, "the optimizer state", Path(path) / TRAINER_STATE, state_bytes):
         torch.save(
             {
                 "step": step,
@@ -120,18 +142,6 @@ def save_trainer_state(
             },
             tmp,
         )
-    except Exception as exc:
-        full = _out_of_space(exc, tmp.parent)
-        tmp.unlink(missing_ok=True)
-        if full:
-            state = sum(
-                t.numel() * t.element_size()
-                for group in optimizer.state.values()
-                for t in group.values()
-                if isinstance(t, torch.Tensor)
-            )
-            raise _space_error("the optimizer state", Path(path) / TRAINER_STATE, state) from exc
-        raise
     os.replace(tmp, Path(path) / TRAINER_STATE)
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
-from atroposlib.inference.assets import smollm2_tokenizer_dir
 from example_trainer.checkpoint import (
     TRAINER_STATE,
     CheckpointSpaceError,
@@ -26,16 +25,12 @@ from example_trainer.checkpoint import (
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer() -> tuple[LlamaForCausalLM, object]:
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+def model_and_tokenizer(tiny_model_dir: Path) -> tuple[LlamaForCausalLM, object]:
+    """The suite's tiny random Llama (tests/conftest.py) with the real SmolLM2 tokenizer."""
+    return (
+        LlamaForCausalLM.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
     )
-    return LlamaForCausalLM(config), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
 
 
 def _leftovers(folder: Path) -> list[str]:
