@@ -431,12 +431,20 @@ def train(
             wandb_project=config.wandb_project or "",
             timeout=config.register_timeout,
         )
+        first: list[dict] | None = None
         if on_ready is not None:
+            # run-api lets environments register once the trainer has asked for a batch
+            # (upstream's protocol: /register-env answers "wait for trainer to start" until
+            # then). Asking once now lets them start their rollouts of the starting weights
+            # while on_ready runs (e.g. a held-out evaluation); a batch already queued (a
+            # resumed run) is kept for the first step.
+            first = api.try_batch(timeout=config.register_timeout)
             on_ready()
         while step < config.training_steps:
             log.status(f"step {step + 1}: waiting for a batch")
             waited = time.monotonic()
-            groups = api.get_batch(timeout=config.batch_timeout)
+            groups = first if first is not None else api.get_batch(timeout=config.batch_timeout)
+            first = None
             # The step's own work starts here: the server pauses before the batch is laid out,
             # so that nothing else competes with it for the cores.
             started = time.monotonic()

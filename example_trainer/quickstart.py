@@ -436,8 +436,9 @@ def run(args: QuickstartOptions) -> int:
         def on_ready() -> None:
             """The server serves the starting weights: start the env, evaluate them."""
             nonlocal env_started
-            # The env starts first: its start-up (imports, tokenizer, registering) and first
-            # rollouts overlap the evaluation. They sample the same starting weights, so the
+            # The env starts first: its start-up (imports, tokenizer, registering; the trainer
+            # has asked for its first batch, which opens registration) and first rollouts
+            # overlap the evaluation. They sample the same starting weights, so the
             # evaluation's result does not depend on it.
             launched.start_environments()
             env_started = True

@@ -5,7 +5,7 @@ equals the gold answer (math-verify), -1 otherwise; when a whole group is correc
 penalty scales scores down linearly above 50% of ``max_token_length``. Completions with fewer
 than ``min_completion_tokens`` trainable tokens are dropped. Groups whose scores are all equal
 are dropped only when ``ensure_scores_are_not_same`` is on. ``format_reward`` / ``box_reward``
-add credit for a well-formed final answer.
+add credit for a well-formed final answer, ``finish_reward`` for a reply that ends on its own.
 
 A subclass says where the rows come from (``load_split``: ``[{"question", "answer"}]``) and
 what the gold answer of a row is (``gold_for``); it may show worked examples
@@ -102,11 +102,17 @@ class MathVerifyEnvConfig(LocalEnvConfig):
         "complete \\boxed{...} holding a digit, number or not (a first step toward "
         "format_reward's well-formed answer; \\boxed{N} copied from an instruction earns none)",
     )
+    finish_reward: float = Field(
+        default=0.0,
+        description="Added to the score of a reply that ended on its own within the budget "
+        "(finish_reason 'stop', not cut off), whatever its answer: a signal against replies that loop until the "
+        "budget runs out, and one that splits groups whose replies all miss the answer",
+    )
     format_min_tokens: int = Field(
         default=0,
         ge=0,
-        description="format_reward and box_reward only for replies of at least this many "
-        "tokens: a bare \\boxed{} guess without the working earns no format credit",
+        description="format_reward, box_reward and finish_reward only for replies of at least "
+        "this many tokens: a bare \\boxed{} guess without the working earns no format credit",
     )
     few_shot: int = Field(
         default=0,
@@ -206,12 +212,17 @@ class MathVerifyEnv(BaseEnv):
         return self.score_samples(samples, self.gold_for(item)), []
 
     def _score_sample(self, sample: Sample, gold_parsed: Any) -> float:
-        """1 for the right answer, -1 otherwise, plus format credit: a finished reply of
-        enough tokens with exactly one box."""
+        """1 for the right answer, -1 otherwise, plus format credit for a reply of enough
+        tokens: finished (``finish_reward``), and with exactly one box (``box_reward``,
+        ``format_reward``)."""
         parsed = math_scoring.parse_response(sample.text)
         score = 1.0 if math_scoring.verify_answer(parsed, gold_parsed) else -1.0
+        if sample.trainable_tokens < self.config.format_min_tokens:
+            return score
+        if sample.finish_reason == "stop":  # not cut off ("length") or aborted
+            score += self.config.finish_reward
         box = math_scoring.final_box(sample.text, sample.finish_reason)
-        if box is not None and sample.trainable_tokens >= self.config.format_min_tokens:
+        if box is not None:
             if math_scoring.number_in_box(box) is not None:
                 score += self.config.format_reward
             if any(c.isdigit() for c in box):
@@ -231,7 +242,8 @@ class MathVerifyEnv(BaseEnv):
             [self._score_sample(s, gold_parsed) for s in kept],
             group_size=self.config.group_size,
         )
-        best = 1.0 + self.config.format_reward + self.config.box_reward
+        cfg = self.config
+        best = 1.0 + cfg.format_reward + cfg.box_reward + cfg.finish_reward
         self.log_train_metric(
             "train/percent_correct", [1.0 if s == best else 0.0 for s in group["scores"]]
         )

@@ -146,6 +146,34 @@ def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
     assert group["scores"] == [2.5, -1.0, 1.0, -1.0]
 
 
+def test_finish_reward_splits_groups_that_all_miss(gsm8k_env) -> None:
+    """The base model loops until the budget cuts 84% of its replies off and almost never
+    boxes: nearly every group scored -1 throughout and was dropped as flat. A reply that ends
+    on its own is what the well-formed rule needs first."""
+    gsm8k_env.config.format_reward = 1.0
+    gsm8k_env.config.box_reward = 0.5
+    gsm8k_env.config.format_min_tokens = 15
+    samples = [
+        fake_sample("16 * 16 = 16 * 16 * 16 = 16 * 16", finish_reason="length"),
+        fake_sample("She makes 17 dollars."),  # finished, no box, wrong
+        fake_sample("It is 17.", n_tokens=12),  # finished, too short for any format credit
+        fake_sample("So \\boxed{17}."),  # finished, well formed, wrong
+        fake_sample("So \\boxed{18}."),  # finished, well formed, right
+        fake_sample("So \\boxed{18}.", finish_reason="abort"),  # an aborted reply: not finished
+    ]
+    gsm8k_env.config.ensure_scores_are_not_same = True
+    group = gsm8k_env.score_samples(samples[:3], "18")
+    assert group["scores"] == [-1.0, -1.0, -1.0]
+    assert gsm8k_env._check_group(group, False) == "same_scores"  # no signal: dropped
+    gsm8k_env.config.finish_reward = 0.5
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [-1.0, -0.5, -1.0, 1.0, 3.0, 2.5]
+    assert gsm8k_env._check_group(group, False) is None  # kept
+    # the best score counts as correct for train/percent_correct
+    correct = gsm8k_env._wandb_logging.train_metrics["train/percent_correct"]
+    assert correct[-6:] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
     samples = [fake_sample("\\boxed{18}", n) for n in (10, 60, 80, 95)]
     group = gsm8k_env.score_samples(samples, "18")
