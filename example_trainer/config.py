@@ -236,14 +236,17 @@ class TrainingConfig(BaseModel):
     weight_sync_transport: Literal["auto", "shm", "disk"] = Field(
         default="auto",
         description="How atropos-serve gets the weights (inference atropos-serve). auto: "
-        "shared memory when inference_url is this machine (loopback or its own name), else "
-        "disk. shm: the trainer writes its parameters into /dev/shm (in the server's dtype "
-        "when it serves in bfloat16 or float16: half the bytes) and the server copies "
-        "them into its model in place (POST /load_weights_from_shm; no checkpoint written for "
-        "the sync; same machine only; the segment, a model's size of RAM, is deleted when the "
-        "trainer ends, or by the next trainer if it was killed). disk: the trainer writes a checkpoint folder each sync "
-        "and the server reloads it (POST /reload_weights; for a server on another machine "
-        "that sees the trainer's folder).",
+        "shared memory when inference_url is this machine (loopback or its own name) and "
+        "the weights fit into /dev/shm, else disk (a container's /dev/shm is 64 MiB unless "
+        "given more, e.g. docker run --shm-size=2g; the trainer logs why it uses disk). shm: "
+        "the trainer writes its parameters into /dev/shm (in the server's dtype when it "
+        "serves in bfloat16 or float16: half the bytes) and the server copies them into its "
+        "model in place (POST /load_weights_from_shm; no checkpoint written for the sync; "
+        "same machine only; the segment, a model's size of RAM, is deleted when the trainer "
+        "ends, or by the next trainer if it was killed; a /dev/shm too small is an error "
+        "at the first sync, with the fix). disk: the trainer writes a checkpoint folder each "
+        "sync and the server reloads it (POST /reload_weights; for a server on another "
+        "machine that sees the trainer's folder).",
     )
     weight_sync_interval: int = Field(
         default=3,

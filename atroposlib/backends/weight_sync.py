@@ -31,6 +31,7 @@ without a restart") explains the choices for vLLM.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
@@ -799,11 +800,14 @@ class AtroposServeReload(_RunningServerReload):
         self._model: Any = None
         self._writer: Any = None
         self._served_dtype: str | None = None
+        #: why shared memory is not used although ``auto`` would pick it (too small)
+        self.shm_unusable: str | None = None
+        self._shm_checked = False
         self.last_timings: dict[str, float] = {}
 
     @property
     def transport(self) -> str:  # type: ignore[override]
-        if self._model is None or self.requested_transport == "disk":
+        if self._model is None or self.requested_transport == "disk" or self.shm_unusable:
             return "disk"
         if self.requested_transport == "shm" or same_host(self.url):
             return "shm"
@@ -811,7 +815,41 @@ class AtroposServeReload(_RunningServerReload):
 
     @property
     def needs_checkpoint(self) -> bool:  # type: ignore[override]
+        if self.transport == "shm" and not self._shm_checked:
+            self._check_shm_space()
         return self.transport != "shm"
+
+    def _check_shm_space(self) -> None:
+        """Before the first sync through shared memory: do the weights fit into /dev/shm (a
+        container's is 64 MiB unless told otherwise)? If not, ``auto`` syncs through
+        checkpoints instead (saying why, once) and ``shm`` raises
+        :class:`~atroposlib.utils.shm_weights.SegmentSpaceError`."""
+        from atroposlib.utils.shm_weights import (
+            SHM_DIR,
+            SegmentSpaceError,
+            free_bytes,
+            segment_bytes,
+            space_message,
+            unique_parameters,
+        )
+
+        if self._served_dtype is None:
+            try:
+                health = server_health(self.url, api_key=self.api_key)
+            except Exception:  # noqa: BLE001 - not up yet: checked at the next step
+                return
+            self._served_dtype = str(health.get("dtype") or "")
+        self._shm_checked = True
+        needed = segment_bytes(
+            unique_parameters(self._model), dtype=_segment_dtype(self._served_dtype)
+        )
+        if free_bytes(SHM_DIR) >= needed:
+            return
+        message = space_message(needed, SHM_DIR)
+        if self.requested_transport == "shm":
+            raise SegmentSpaceError(errno.ENOSPC, message)
+        self.shm_unusable = message
+        logger.warning("syncing atropos-serve through checkpoints on disk: %s", message)
 
     @property
     def description(self) -> str:  # type: ignore[override]

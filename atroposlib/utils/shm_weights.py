@@ -14,6 +14,7 @@ name ``named_parameters()`` gives them; the reader's model ties them the same wa
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +48,39 @@ _DTYPES: dict[torch.dtype, str] = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _ALIGN = 64
+
+
+class SegmentSpaceError(OSError):
+    """The segment does not fit into the shared-memory file system (``errno.ENOSPC``); writing
+    it anyway would kill the writer with SIGBUS (a mapped tmpfs page that cannot be
+    allocated), so it is refused before any byte is written."""
+
+
+def free_bytes(directory: str | os.PathLike[str] = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s file system."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def segment_bytes(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> int:
+    """Size of the segment :meth:`SharedWeightsWriter.write` lays out for the same arguments
+    (header included)."""
+    layout = [(name, _stored_dtype(t, dtype), tuple(t.shape)) for name, t in tensors]
+    return _plan(layout)[2]
+
+
+def space_message(needed: int, directory: str | os.PathLike[str] = SHM_DIR) -> str:
+    """One line saying that ``needed`` bytes do not fit into ``directory`` and what to do."""
+    return (
+        f"the weights need {needed / 2**20:,.0f} MiB of shared memory but {directory} has "
+        f"{free_bytes(directory) / 2**20:,.0f} MiB free (a container's default is 64 MiB): "
+        "give it more (docker run --shm-size=2g; Kubernetes: an emptyDir with medium Memory "
+        "mounted at /dev/shm) or sync through checkpoints on disk (the trainer's "
+        "--weight-sync-transport disk; atropos-quickstart --trainer-arg "
+        "weight_sync_transport=disk)"
+    )
 
 
 class SegmentError(ValueError):
@@ -97,6 +132,48 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def _stored_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _plan(
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> tuple[dict[str, Any], bytes, int]:
+    """The segment's header (as a dict and as the padded bytes written) and its total size."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in layout:
+        if dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {dtype} cannot be written to a segment")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += -(-size // _ALIGN) * _ALIGN if size else 0
+    raw = json.dumps(header).encode()
+    # pad so that the data starts aligned (spaces are valid JSON padding)
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    return header, raw, 8 + len(raw) + offset
+
+
+def _allocate(fd: int, total: int, path: Path) -> None:
+    """Reserve the segment's pages now, so that a full tmpfs is an error here rather than a
+    SIGBUS at the first write into the mapping. Where the file system cannot reserve
+    (no ``fallocate``), its free space is checked instead."""
+    try:
+        os.posix_fallocate(fd, 0, total)
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+            raise SegmentSpaceError(errno.ENOSPC, space_message(total, path.parent)) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    if free_bytes(path.parent) < total - os.fstat(fd).st_blocks * 512:
+        raise SegmentSpaceError(errno.ENOSPC, space_message(total, path.parent))
+
+
 class SharedWeightsWriter:
     """Writes a model's parameters into a shared-memory segment, reused across writes.
 
@@ -128,14 +205,7 @@ class SharedWeightsWriter:
         changed) lays the file out; later writes only copy.
         """
         items = [(name, t.detach()) for name, t in tensors]
-        layout = [
-            (
-                name,
-                dtype if dtype is not None and t.is_floating_point() else t.dtype,
-                tuple(t.shape),
-            )
-            for name, t in items
-        ]
+        layout = [(name, _stored_dtype(t, dtype), tuple(t.shape)) for name, t in items]
         if layout != self._layout or self._map is None:
             self._lay_out(layout)
             self._layout = layout
@@ -146,27 +216,16 @@ class SharedWeightsWriter:
 
     def _lay_out(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
         self._release()
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, dtype, shape in layout:
-            if dtype not in _DTYPES:
-                raise TypeError(f"{name}: dtype {dtype} cannot be written to a segment")
-            size = math.prod(shape) * dtype.itemsize
-            header[name] = {
-                "dtype": _DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += -(-size // _ALIGN) * _ALIGN if size else 0
-        raw = json.dumps(header).encode()
-        # pad so that the data starts aligned (spaces are valid JSON padding)
-        raw += b" " * (-(8 + len(raw)) % _ALIGN)
+        header, raw, total = _plan(layout)
         start = 8 + len(raw)
-        total = start + offset
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, total)
+            _allocate(fd, total, self.path)
             self._map = mmap.mmap(fd, total)
+        except SegmentSpaceError:
+            _unlink(self.path)
+            raise
         finally:
             os.close(fd)
         self._map[:8] = struct.pack("<Q", len(raw))

@@ -348,3 +348,69 @@ def test_a_server_restarted_in_float32_gets_the_weights_again_in_float32(
         client.close()
         first.stop()
         second.stop()
+
+
+_SMALL_SHM_CHECK = """
+import os, sys, torch
+from transformers import AutoModelForCausalLM
+from atroposlib.backends import weight_sync_client
+from atroposlib.utils.shm_weights import SegmentSpaceError, SharedWeightsWriter
+
+url, model_dir = sys.argv[1], sys.argv[2]
+trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+# the writer alone: refused before a byte is written, nothing left behind (it was SIGBUS)
+try:
+    SharedWeightsWriter().write(trainer.named_parameters())
+except SegmentSpaceError as exc:
+    print("writer:", exc.strerror)
+print("left:", os.listdir("/dev/shm"))
+auto = weight_sync_client("atropos-serve", url)
+auto.attach(trainer)
+print("auto needs a checkpoint:", auto.needs_checkpoint, auto.transport)
+forced = weight_sync_client("atropos-serve", url, transport="shm")
+forced.attach(trainer)
+try:
+    forced.needs_checkpoint
+except SegmentSpaceError as exc:
+    print("shm:", exc.strerror)
+"""
+
+
+def test_a_dev_shm_too_small_for_the_weights_syncs_through_disk(
+    shm_server, tiny_model_dir, tmp_path
+):
+    """A container's /dev/shm is 64 MiB unless told otherwise, less than SmolLM2-135M's
+    weights: writing the segment anyway killed the trainer with SIGBUS (exit 135, no
+    message). Run in a mount namespace whose /dev/shm is a 1 MiB tmpfs, against a real
+    atropos-serve: ``auto`` syncs through checkpoints, ``shm`` names the fix."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "check.py"
+    script.write_text(_SMALL_SHM_CHECK)
+    result = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"',
+            sys.executable,
+            str(script),
+            shm_server.url,
+            str(tiny_model_dir),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "writer: the weights need" in out and "/dev/shm has 1 MiB free" in out
+    assert "left: []" in out
+    assert "auto needs a checkpoint: True disk" in out
+    assert "shm: the weights need" in out and "--weight-sync-transport disk" in out
+    assert "syncing atropos-serve through checkpoints on disk" in result.stderr
