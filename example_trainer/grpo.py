@@ -36,6 +36,7 @@ from atroposlib.trainer.throughput import (
     model_flops,
     step_throughput,
 )
+from atroposlib.utils.shm_weights import SegmentSpaceError
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
 from example_trainer.checkpoint import (
@@ -431,20 +432,12 @@ def train(
             wandb_project=config.wandb_project or "",
             timeout=config.register_timeout,
         )
-        first: list[dict] | None = None
         if on_ready is not None:
-            # run-api lets environments register once the trainer has asked for a batch
-            # (upstream's protocol: /register-env answers "wait for trainer to start" until
-            # then). Asking once now lets them start their rollouts of the starting weights
-            # while on_ready runs (e.g. a held-out evaluation); a batch already queued (a
-            # resumed run) is kept for the first step.
-            first = api.try_batch(timeout=config.register_timeout)
             on_ready()
         while step < config.training_steps:
             log.status(f"step {step + 1}: waiting for a batch")
             waited = time.monotonic()
-            groups = first if first is not None else api.get_batch(timeout=config.batch_timeout)
-            first = None
+            groups = api.get_batch(timeout=config.batch_timeout)
             # The step's own work starts here: the server pauses before the batch is laid out,
             # so that nothing else competes with it for the cores.
             started = time.monotonic()
@@ -640,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("atropos-grpo: interrupted; child processes stopped", file=sys.stderr)
         raise SystemExit(130) from None
-    except CheckpointSpaceError as exc:
+    except (CheckpointSpaceError, SegmentSpaceError) as exc:
         raise SystemExit(f"atropos-grpo: {exc.strerror}") from None
     print(f"atropos-grpo: done; final model in {final}", file=sys.stderr)
 

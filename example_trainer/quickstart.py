@@ -44,6 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
+from atroposlib.utils.shm_weights import SegmentSpaceError
 from example_trainer.api import TrajectoryAPIError
 from example_trainer.checkpoint import CheckpointSpaceError
 from example_trainer.inference_process import InferenceLaunchError
@@ -436,10 +437,12 @@ def run(args: QuickstartOptions) -> int:
         def on_ready() -> None:
             """The server serves the starting weights: start the env, evaluate them."""
             nonlocal env_started
-            # The env starts first: its start-up (imports, tokenizer, registering; the trainer
-            # has asked for its first batch, which opens registration) and first rollouts
-            # overlap the evaluation. They sample the same starting weights, so the
-            # evaluation's result does not depend on it.
+            # The env starts first: its start-up (imports, tokenizer, config) overlaps the
+            # evaluation. It registers, and starts its rollouts, once the trainer asks for
+            # its first batch (run-api opens /register-env then), i.e. after the evaluation:
+            # on 2 cores, rollouts during the evaluation made the two together slower (~150 s
+            # against ~115 s one after the other: the env generated ahead of need, and the
+            # engine lost its grouped layout to the evaluation's single-sample requests).
             launched.start_environments()
             env_started = True
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
@@ -480,7 +483,7 @@ def run(args: QuickstartOptions) -> int:
     except (InferenceLaunchError, RunFailed) as exc:
         print(f"atropos-quickstart: {exc}", file=sys.stderr)
         return 1
-    except CheckpointSpaceError as exc:
+    except (CheckpointSpaceError, SegmentSpaceError) as exc:
         print(f"atropos-quickstart: {exc.strerror}", file=sys.stderr)
         return 1
     except TrajectoryAPIError as exc:

@@ -89,7 +89,6 @@ RECIPES: dict[str, Recipe] = {
             "env.temperature=0.4",
             "env.format_reward=1.0",
             "env.box_reward=0.5",
-            "env.finish_reward=0.5",
             "env.format_min_tokens=24",
             "env.ensure_scores_are_not_same=true",
             "env.max_batches_offpolicy=1",

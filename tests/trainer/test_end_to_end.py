@@ -395,47 +395,6 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
     assert list((save_path / "wandb").glob("offline-run-*")), "W&B offline run not written"
 
 
-def test_environments_register_while_on_ready_runs(
-    tmp_path: Path, start_api, tiny_model_dir: Path
-) -> None:
-    """run-api opens /register-env at the trainer's first /batch: the trainer asks once before
-    ``on_ready``, so an env registers and sends rollouts while the caller evaluates the
-    starting weights (atropos-quickstart's "before" evaluation), and the first step trains
-    on what was sent meanwhile."""
-    from example_trainer.config import TrainingConfig
-    from example_trainer.grpo import train
-
-    api = start_api()
-    answers: list[dict] = []
-
-    def on_ready() -> None:
-        reply = httpx.post(
-            api.url + "/register-env",
-            json={"max_token_length": 512, "desired_name": "env", "weight": 1.0, "group_size": 4},
-        ).json()
-        answers.append(reply)
-        for group in _tokenized_groups(2):
-            assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
-
-    config = TrainingConfig(
-        model_name=str(tiny_model_dir),
-        atropos_url=api.url,
-        save_path=str(tmp_path / "ckpt"),
-        seq_len=256,
-        batch_size=4,
-        gradient_accumulation_steps=2,
-        dtype="float32",
-        training_steps=1,
-        inference="none",
-        batch_timeout=60,
-        progress=False,
-    )
-    train(config, on_ready=on_ready)
-    assert answers[0]["status"] == "success", answers
-    assert httpx.get(api.url + "/status").json()["current_step"] == 1
-    assert [m["step"] for m in _metrics(tmp_path / "ckpt")] == [1]
-
-
 def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int, *extra: str):
     return subprocess.Popen(
         [
