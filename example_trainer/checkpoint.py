@@ -55,7 +55,8 @@ def _out_of_space(exc: BaseException, folder: Path) -> bool:
 
 def _space_error(what: str, path: Path, nbytes: int) -> CheckpointSpaceError:
     """The one-line explanation of a checkpoint part that did not fit on its disk."""
-    free = shutil.disk_usage(path.parent).free
+    existing = next(p for p in (path, *path.parents) if p.exists())  # a mount point counts
+    free = shutil.disk_usage(existing).free
     return CheckpointSpaceError(
         errno.ENOSPC,
         f"no space left on the device for {what} {path} ({nbytes / 1e6:,.0f} MB; "
@@ -85,6 +86,20 @@ def _writing(scratch: Path, what: str, target: Path, nbytes: Callable[[], int]) 
             scratch.unlink(missing_ok=True)
         if full:
             raise _space_error(what, target, nbytes()) from exc
+        raise
+
+
+@contextmanager
+def space_errors(folder: Path, what: str, nbytes: Callable[[], int]) -> Iterator[None]:
+    """Around code that writes under ``folder`` through someone else's saving code (TRL's
+    ``save_model``, the TRL integration's weight folder): a full disk becomes one
+    :class:`CheckpointSpaceError` naming ``what``, ``folder`` and the size ``nbytes()``, instead
+    of a library traceback; anything else passes through unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        if _out_of_space(exc, Path(folder)):
+            raise _space_error(what, Path(folder), nbytes()) from exc
         raise
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from example_trainer.checkpoint import space_errors
 from example_trainer.config import TrainingConfig
 from example_trainer.grpo import StepCallback, resolve_precision
 
@@ -157,13 +158,20 @@ def train_trl(
     trainer.add_callback(_log_callback(trainer, log, on_step))
     if on_ready is not None:
         on_ready()
+
+    def weight_bytes() -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    # TRL writes the weights for each sync (sync_dir) and at the end: a full disk is one line
     try:
-        trainer.train()
+        with space_errors(save_path, "the TRL run's weights under", weight_bytes):
+            trainer.train()
     finally:
         log.close()
     final = save_path / "final_model"
-    trainer.save_model(str(final))
-    tokenizer.save_pretrained(final)
+    with space_errors(final, "the final model", weight_bytes):
+        trainer.save_model(str(final))
+        tokenizer.save_pretrained(final)
     logger.info("final model saved to %s", final)
     return final
 

@@ -8,6 +8,7 @@ tokenizer and folders are real.
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,66 @@ def test_full_disk_while_writing_the_optimizer_state(
     assert str(folder / TRAINER_STATE) in caught.value.strerror
     assert not (folder / TRAINER_STATE).exists()
     assert _leftovers(folder) == []
+
+
+_FULL_TMPFS_SAVE = """
+import shutil
+import sys
+from transformers import AutoModelForCausalLM
+from example_trainer.checkpoint import CheckpointSpaceError, space_errors
+
+folder, model_dir = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+size = lambda: sum(p.numel() * p.element_size() for p in model.parameters())
+try:
+    with space_errors(folder, "the final model", size):
+        model.save_pretrained(folder + "/final_model")
+except CheckpointSpaceError as exc:
+    print("space:", exc.errno, exc.strerror)
+shutil.rmtree(folder + "/final_model")  # what the failed save left (a write failing on a full
+# disk counts as the disk's fault, whatever it says)
+try:
+    with space_errors(folder, "the final model", size):
+        raise ValueError("not about space")
+except ValueError as exc:
+    print("other:", exc)
+"""
+
+
+def test_space_errors_turns_a_real_full_tmpfs_into_one_line(tiny_model_dir, tmp_path) -> None:
+    """What the TRL path wraps TRL's own saving in: safetensors writing into a file system
+    that really is full (a 1 MiB tmpfs in a mount namespace)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "save.py"
+    script.write_text(_FULL_TMPFS_SAVE)
+    small = tmp_path / "small"
+    small.mkdir()
+    result = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=1m tmpfs "$1" && shift && exec "$@"',
+            "sh",
+            str(small),
+            sys.executable,
+            str(script),
+            str(small),
+            str(tiny_model_dir),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"space: {errno.ENOSPC} no space left on the device for the final model" in result.stdout
+    # the free space of the full file system, not of the one above its mount point
+    assert re.search(r"\(26 MB; [01] MB free there\)", result.stdout), result.stdout
+    assert "--save-path" in result.stdout
+    assert "other: not about space" in result.stdout
