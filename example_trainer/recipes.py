@@ -75,7 +75,7 @@ RECIPES: dict[str, Recipe] = {
             "group_size": 16,
             "batch_size": 32,
             "micro_batch_size": 16,
-            "lr": 1e-4,
+            "lr": 1.5e-4,
             "seq_len": 384,
             "eval": True,
             "eval_every": 0,
