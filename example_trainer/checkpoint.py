@@ -32,13 +32,13 @@ class CheckpointSpaceError(OSError):
 _NEARLY_FULL = 1 << 20  # bytes: a failed write with less than this free failed for want of it
 
 
-def _out_of_space(exc: BaseException, folder: Path) -> bool:
+def _out_of_space(exc: BaseException, folder: Path, *, nearly_full: bool = True) -> bool:
     """Whether a write into ``folder`` failed with ``exc`` because the device is full: an
     ``OSError`` with ``ENOSPC``/``EDQUOT``, safetensors' Rust I/O error ("StorageFull"), or
-    any failure while (nearly) nothing is free there (torch.save says only "file write
-    failed"). Call it before removing what the write left."""
+    (``nearly_full``) any failure while (nearly) nothing is free there (torch.save says only
+    "file write failed"). Call it before removing what the write left."""
     try:
-        if shutil.disk_usage(folder).free < _NEARLY_FULL:
+        if nearly_full and shutil.disk_usage(folder).free < _NEARLY_FULL:
             return True
     except OSError:
         pass
@@ -94,11 +94,12 @@ def space_errors(folder: Path, what: str, nbytes: Callable[[], int]) -> Iterator
     """Around code that writes under ``folder`` through someone else's saving code (TRL's
     ``save_model``, the TRL integration's weight folder): a full disk becomes one
     :class:`CheckpointSpaceError` naming ``what``, ``folder`` and the size ``nbytes()``, instead
-    of a library traceback; anything else passes through unchanged."""
+    of a library traceback; anything else passes through unchanged, even on a full disk (the
+    block may do more than write)."""
     try:
         yield
     except Exception as exc:
-        if _out_of_space(exc, Path(folder)):
+        if _out_of_space(exc, Path(folder), nearly_full=False):
             raise _space_error(what, Path(folder), nbytes()) from exc
         raise
 

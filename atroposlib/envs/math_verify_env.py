@@ -105,8 +105,10 @@ class MathVerifyEnvConfig(LocalEnvConfig):
     finish_reward: float = Field(
         default=0.0,
         description="Added to the score of a reply that ended on its own within the budget "
-        "(finish_reason 'stop', not cut off), whatever its answer: a signal against replies that loop until the "
-        "budget runs out, and one that splits groups whose replies all miss the answer",
+        "(finish_reason 'stop', not cut off), whatever its answer: a signal against replies "
+        "that loop until the budget runs out, and one that splits groups whose replies all "
+        "miss the answer. Not in the gsm8k-format recipe: there a run learned to finish "
+        "without a box (0.0% well-formed) and then had no signal left",
     )
     format_min_tokens: int = Field(
         default=0,
