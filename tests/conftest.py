@@ -24,6 +24,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def private_mounts() -> list[str]:
+    """Command prefix that runs a command in a mount namespace of its own (``unshare``), where
+    it may mount a small tmpfs to fill up: as root the mount namespace alone, otherwise in a
+    user namespace mapped to root."""
+    if os.geteuid() == 0:
+        return ["unshare", "--mount"]
+    return ["unshare", "--user", "--map-root-user", "--mount"]
+
+
 class ApiProcess:
     """``python -m atroposlib.cli.run_api`` as a child process on a free loopback port."""
 

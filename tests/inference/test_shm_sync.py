@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from tests.conftest import private_mounts
 from tests.inference.conftest import own_tiny_server, reference_logprobs
 
 torch = pytest.importorskip("torch")
@@ -390,10 +391,7 @@ def test_a_dev_shm_too_small_for_the_weights_syncs_through_disk(
     script.write_text(_SMALL_SHM_CHECK)
     result = subprocess.run(
         [
-            "unshare",
-            "--user",
-            "--map-root-user",
-            "--mount",
+            *private_mounts(),
             "sh",
             "-c",
             'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"',

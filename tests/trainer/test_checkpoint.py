@@ -23,6 +23,7 @@ from example_trainer.checkpoint import (
     save_trainer_state,
     step_dir,
 )
+from tests.conftest import private_mounts
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +161,7 @@ def test_space_errors_turns_a_real_full_tmpfs_into_one_line(tiny_model_dir, tmp_
     small.mkdir()
     result = subprocess.run(
         [
-            "unshare",
-            "--user",
-            "--map-root-user",
-            "--mount",
+            *private_mounts(),
             "sh",
             "-c",
             'mount -t tmpfs -o size=1m tmpfs "$1" && shift && exec "$@"',
