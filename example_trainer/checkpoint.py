@@ -66,7 +66,7 @@ def _space_error(what: str, path: Path, nbytes: int) -> CheckpointSpaceError:
     )
 
 
-def _tensor_bytes(tensors: Any) -> int:
+def tensor_bytes(tensors: Any) -> int:
     """Bytes held by the tensors among ``tensors`` (anything else is skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -119,7 +119,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, tokenizer: Any, *, step:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{time.monotonic_ns()}")
     tmp.mkdir(parents=True)
-    with _writing(tmp, "the checkpoint", path, lambda: _tensor_bytes(model.parameters())):
+    with _writing(tmp, "the checkpoint", path, lambda: tensor_bytes(model.parameters())):
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "atropos_step.json").write_text(json.dumps({"step": step}))
@@ -145,7 +145,7 @@ def save_trainer_state(
     tmp = Path(path) / f".{TRAINER_STATE}.tmp"
 
     def state_bytes() -> int:
-        return _tensor_bytes(t for group in optimizer.state.values() for t in group.values())
+        return tensor_bytes(t for group in optimizer.state.values() for t in group.values())
 
     with _writing(tmp, "the optimizer state", Path(path) / TRAINER_STATE, state_bytes):
         torch.save(

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from example_trainer.checkpoint import space_errors
+from example_trainer.checkpoint import space_errors, tensor_bytes
 from example_trainer.config import TrainingConfig
 from example_trainer.grpo import StepCallback, resolve_precision
 
@@ -160,7 +160,7 @@ def train_trl(
         on_ready()
 
     def weight_bytes() -> int:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        return tensor_bytes(model.parameters())
 
     # TRL writes the weights for each sync (sync_dir) and at the end: a full disk is one line
     try:

@@ -833,16 +833,12 @@ class AtroposServeReload(_RunningServerReload):
             unique_parameters,
         )
 
-        if self._served_dtype is None:
-            try:
-                health = server_health(self.url, api_key=self.api_key)
-            except Exception:  # noqa: BLE001 - not up yet: checked at the next step
-                return
-            self._served_dtype = str(health.get("dtype") or "")
+        try:
+            served = self._served()
+        except Exception:  # noqa: BLE001 - not up yet: checked at the next step
+            return
         self._shm_checked = True
-        needed = segment_bytes(
-            unique_parameters(self._model), dtype=_segment_dtype(self._served_dtype)
-        )
+        needed = segment_bytes(unique_parameters(self._model), dtype=_segment_dtype(served))
         if free_bytes(SHM_DIR) >= needed:
             return
         message = space_message(needed, SHM_DIR)
@@ -850,6 +846,14 @@ class AtroposServeReload(_RunningServerReload):
             raise SegmentSpaceError(errno.ENOSPC, message)
         self.shm_unusable = message
         logger.warning("syncing atropos-serve through checkpoints on disk: %s", message)
+
+    def _served(self) -> str:
+        """The dtype the server serves in (its ``/health`` ``"dtype"``; "" if it does not
+        say), asked once and kept (a reply of ``/load_weights_from_shm`` updates it)."""
+        if self._served_dtype is None:
+            health = server_health(self.url, api_key=self.api_key)
+            self._served_dtype = str(health.get("dtype") or "")
+        return self._served_dtype
 
     @property
     def description(self) -> str:  # type: ignore[override]
@@ -893,9 +897,7 @@ class AtroposServeReload(_RunningServerReload):
         started = time.monotonic()
         if self._writer is None:
             self._writer = SharedWeightsWriter()
-        if self._served_dtype is None:
-            health = server_health(self.url, api_key=self.api_key)
-            self._served_dtype = str(health.get("dtype") or "")
+        self._served()
         while True:
             written_dtype = _segment_dtype(self._served_dtype)
             path = self._writer.write(unique_parameters(self._model), dtype=written_dtype)
