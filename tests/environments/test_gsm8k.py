@@ -174,6 +174,24 @@ def test_finish_reward_splits_groups_that_all_miss(gsm8k_env) -> None:
     assert correct[-6:] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
+def test_final_temperature_anneals_with_the_trainer_step(gsm8k_env) -> None:
+    cfg = gsm8k_env.config
+    cfg.temperature, cfg.total_steps = 0.4, 13
+    gsm8k_env.curr_step = 6
+    assert gsm8k_env.sampling_temperature() == 0.4  # no final_temperature: constant
+    cfg.final_temperature = 0.2
+    # groups sampled before step 1 at 0.4, for the last step (curr_step 12) at 0.2
+    for step, expected in [(0, 0.4), (3, 0.35), (6, 0.3), (12, 0.2), (40, 0.2)]:
+        gsm8k_env.curr_step = step
+        assert gsm8k_env.sampling_temperature() == pytest.approx(expected)
+    # the group says what its samples were drawn at, so the trainer scales its logits by it
+    samples = [fake_sample("\\boxed{18}"), fake_sample("no box")]
+    assert gsm8k_env.score_samples(samples, "18", temperature=0.3)["generation_params"] == {
+        "temperature": 0.3
+    }
+    assert gsm8k_env.score_samples(samples, "18")["generation_params"] == {"temperature": 0.4}
+
+
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
     samples = [fake_sample("\\boxed{18}", n) for n in (10, 60, 80, 95)]
     group = gsm8k_env.score_samples(samples, "18")
