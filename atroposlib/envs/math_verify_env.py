@@ -223,7 +223,9 @@ class MathVerifyEnv(BaseEnv):
             max_tokens=self.budget,
             temperature=temperature,
         )
-        return self.score_samples(samples, self.gold_for(item), temperature=temperature), []
+        # each sample records the temperature it was drawn at (Sample.generation_params), and
+        # the group carries it, so the trainer scales its logits by it
+        return self.score_samples(samples, self.gold_for(item)), []
 
     def sampling_temperature(self) -> float:
         """The training temperature now: ``temperature``, or on the way to
@@ -252,11 +254,8 @@ class MathVerifyEnv(BaseEnv):
                 score += self.config.box_reward
         return score
 
-    def score_samples(
-        self, samples: list[Sample], gold: str, temperature: float | None = None
-    ) -> ScoredDataGroup | None:
-        """Upstream's GSM8K scoring of one group; None when nothing is left to train on.
-        ``temperature``: what the samples were drawn at (default: ``config.temperature``)."""
+    def score_samples(self, samples: list[Sample], gold: str) -> ScoredDataGroup | None:
+        """Upstream's GSM8K scoring of one group; None when nothing is left to train on."""
         gold_parsed = math_scoring.parse_gold(gold)
         if not gold_parsed:
             return None  # an unparseable gold answer teaches nothing
@@ -277,10 +276,6 @@ class MathVerifyEnv(BaseEnv):
             apply_length_penalty(self, group, full_score=best)
         # a group whose scores are all equal is dropped (and counted) by BaseEnv when
         # ensure_scores_are_not_same is on
-        # the trainer scales its logits by the temperature the samples were drawn at
-        if temperature is None:
-            temperature = self.config.temperature
-        group["generation_params"] = {"temperature": temperature}
         return group
 
     # ------------------------------------------------------------------ evaluation

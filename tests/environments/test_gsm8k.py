@@ -186,10 +186,9 @@ def test_final_temperature_anneals_with_the_trainer_step(gsm8k_env) -> None:
         assert gsm8k_env.sampling_temperature() == pytest.approx(expected)
     # the group says what its samples were drawn at, so the trainer scales its logits by it
     samples = [fake_sample("\\boxed{18}"), fake_sample("no box")]
-    assert gsm8k_env.score_samples(samples, "18", temperature=0.3)["generation_params"] == {
-        "temperature": 0.3
-    }
-    assert gsm8k_env.score_samples(samples, "18")["generation_params"] == {"temperature": 0.4}
+    for sample in samples:
+        sample.generation_params = {"temperature": 0.3}
+    assert gsm8k_env.score_samples(samples, "18")["generation_params"] == {"temperature": 0.3}
 
 
 def test_length_penalty_when_all_are_correct(gsm8k_env) -> None:
@@ -283,4 +282,6 @@ def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) ->
     assert len(groups) == 2
     assert_valid_groups(groups, 3)
     assert all(s in (-1.0, 1.0) for g in groups for s in g["scores"])
+    # sampled at the env's temperature, as each group tells the trainer
+    assert all(g["generation_params"] == {"temperature": 1.0} for g in groups)
     assert groups[0]["messages"][0][0]["role"] == "system"
