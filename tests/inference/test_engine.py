@@ -58,6 +58,43 @@ def test_shared_prompt_prefix_is_computed_once_without_changing_results(
             assert abs(x - z) < 1e-3 and abs(y - z) < 1e-3
 
 
+def test_prompts_of_very_different_lengths_prefill_in_passes_of_similar_lengths(
+    tiny_model_dir: Path,
+) -> None:
+    """Prompts waiting together whose lengths differ a lot (an evaluation's questions) are
+    prefilled in passes of similar lengths instead of one pass padded to the longest: fewer
+    padding positions computed, and every output what the prompt generates alone."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = (
+        "2+2?",
+        "What is 17 times 3?",
+        "A farmer has 12 cows and buys 7 more, then sells 4 of them at the market. " * 3,
+        "Tom reads 14 pages a day for a week and then 9 pages a day for 5 days. " * 3 + "How?",
+    )
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert max(map(len, prompts)) > 4 * min(map(len, prompts))
+    split, stats = _generate(tiny_model_dir, prompts, min_shared_prefix=10**9)
+    one_pass, one_stats = _generate(
+        tiny_model_dir, prompts, min_shared_prefix=10**9, split_prefill_by_length=False
+    )
+    # the busy request's pass, then the four prompts: two passes of two (short, long)
+    assert stats["prefill_passes"] == 3
+    longest = max(map(len, prompts))
+    one_pass_padding = sum(longest - len(p) for p in prompts)
+    assert stats["prefill_padding_tokens"] < one_pass_padding / 4
+    alone = [_generate(tiny_model_dir, [p])[0][0] for p in prompts]
+    for a, c in zip(split, alone, strict=True):
+        assert a.token_ids == c.token_ids
+        for x, z in zip(a.logprobs, c.logprobs, strict=True):
+            assert abs(x - z) < 1e-3
+    # one pass padded to the longest: the same tokens
+    assert one_stats["prefill_passes"] == 2
+    assert one_stats["prefill_padding_tokens"] >= one_pass_padding
+    assert [o.token_ids for o in one_pass] == [o.token_ids for o in split]
+
+
 @pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")

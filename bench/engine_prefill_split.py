@@ -1,0 +1,123 @@
+"""Prefill in passes of similar prompt lengths, or one pass padded to the longest, on an evaluation.
+
+The load is the gsm8k-format recipe's held-out evaluation as ``gsm8k_server.py evaluate``
+sends it: the first ``--items`` GSM8K test questions (74-186 tokens with the recipe's
+instruction), greedy, at most 128 tokens each, ``--concurrency`` requests in flight (the env's
+``max_eval_workers``). One engine, set up as ``atropos-serve`` runs it, switches
+``split_prefill_by_length`` between rounds (alternating which goes first; a warm-up round of
+each first, not counted) and prints items/s, the prefill passes and the padding positions
+they computed, per setting.
+
+    python bench/engine_prefill_split.py --rounds 2 --items 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
+
+from gsm8k_server import BUNDLED_GSM8K, load_rows  # noqa: E402
+
+from atroposlib.inference.engine import GenerationEngine  # noqa: E402
+from atroposlib.inference.models import load_model  # noqa: E402
+from atroposlib.inference.sampling import SamplingParams  # noqa: E402
+from atroposlib.trainer.throughput import BF16_SPEEDUP_FOR_MIXED, bf16_speedup  # noqa: E402
+from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
+
+SUFFIX = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
+
+
+def eval_prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001
+    """The recipe's evaluation prompts: no system turn, the question, the format instruction."""
+    rows = load_rows(BUNDLED_GSM8K, "test")[:count]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"] + SUFFIX}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for row in rows
+    ]
+
+
+async def run_round(engine: GenerationEngine, prompts: list[list[int]], concurrency: int) -> float:
+    """Every prompt once, ``concurrency`` at a time; returns items/s."""
+    params = SamplingParams(max_tokens=128, temperature=0.0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(ids: list[int]) -> None:
+        async with gate:
+            await engine.submit(ids, params).result()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(ids) for ids in prompts))
+    return len(prompts) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 with bf16 units")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--items", type=int, default=64, help="test questions per round")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    parser.add_argument("--rounds", type=int, default=2, help="counted rounds of each setting")
+    args = parser.parse_args()
+
+    dtype = args.dtype
+    if dtype == "auto":  # as atropos-quickstart picks it
+        speedup = bf16_speedup("cpu", args.threads)
+        dtype = "bfloat16" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
+    pin_mmap_threshold()
+    torch.set_num_threads(1)
+    loaded = load_model(args.model, dtype)
+    engine = GenerationEngine(loaded.model, loaded.tokenizer, threads=args.threads)
+    engine.warmup()
+    engine.start()
+    use_heap_for_temporaries()
+    prompts = eval_prompts(loaded.tokenizer, args.items)
+    lengths = sorted(map(len, prompts))
+    print(f"{dtype}; {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens", flush=True)
+
+    settings = {"passes of similar lengths": True, "one pass, padded": False}
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    passes = dict.fromkeys(settings, 0)
+    padding = dict.fromkeys(settings, 0)
+    for round_index in range(args.rounds + 1):
+        order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
+        for name in order:
+            engine.split_prefill_by_length = settings[name]
+            before = dict(engine.stats)
+            rate = asyncio.run(run_round(engine, prompts, args.concurrency))
+            if round_index == 0:
+                continue  # warm-up round, not counted
+            rates[name].append(rate)
+            passes[name] += engine.stats["prefill_passes"] - before["prefill_passes"]
+            padding[name] += (
+                engine.stats["prefill_padding_tokens"] - before["prefill_padding_tokens"]
+            )
+            print(f"{name}: {rate:.3f} items/s", flush=True)
+    engine.shutdown()
+    print()
+    real = sum(lengths) * args.rounds
+    for name in settings:
+        print(
+            f"{name}: median {statistics.median(rates[name]):.3f} items/s; "
+            f"{passes[name]} prefill passes, {padding[name]} padding positions "
+            f"({100 * padding[name] / (padding[name] + real):.0f}% of those computed)"
+        )
+    split, single = (statistics.median(r) for r in rates.values())
+    print(f"passes of similar lengths / one pass: {split / single:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
