@@ -33,6 +33,7 @@ from arithmetic_server import chat_messages, make_problem  # noqa: E402
 from atroposlib.inference.engine import GenerationEngine  # noqa: E402
 from atroposlib.inference.models import load_model  # noqa: E402
 from atroposlib.inference.sampling import SamplingParams  # noqa: E402
+from atroposlib.trainer.throughput import BF16_SPEEDUP_FOR_MIXED, bf16_speedup  # noqa: E402
 from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
 
 
@@ -78,13 +79,21 @@ def recipe_setup(
     runs it (one thread per core, heap temporaries): ``(args, engine, prompts)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto: bfloat16 where the CPU has bfloat16 units, as "
+        "atropos-quickstart serves, else float32",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--groups", type=int, default=groups, help="groups per round")
     parser.add_argument("--in-flight", type=int, default=8, help="groups generating at once")
     parser.add_argument("--rounds", type=int, default=rounds, help="rounds of each condition")
     args = parser.parse_args()
 
+    if args.dtype == "auto":
+        speedup = bf16_speedup("cpu", args.threads)
+        args.dtype = "bfloat16" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
     pin_mmap_threshold()
     torch.set_num_threads(1)
     loaded = load_model(args.model, args.dtype)

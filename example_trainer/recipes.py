@@ -39,7 +39,7 @@ RECIPES: dict[str, Recipe] = {
     "arithmetic-learn": Recipe(
         summary="SmolLM2-135M-Instruct learns to answer 'What is a +/- b?' (operands 0-20) with "
         "the right integer; held-out accuracy before/after, ~5 min on 2 CPU cores with bfloat16 units "
-        "(AVX-512 BF16), 10-15 min without",
+        "(AVX-512 BF16), 10-20 min without",
         flags={
             "env": "arithmetic",
             "steps": 80,
