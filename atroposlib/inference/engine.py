@@ -371,10 +371,10 @@ class GenerationEngine:
         self.compiled = compile
         self.fast_decode = fast_decode
         self.share_prompt_kv = share_prompt_kv
+        """Rows of one request keep their prompt's keys and values once (:meth:`_use_grouped`)."""
         self.split_prefill_by_length = split_prefill_by_length
         """Prompts of very different lengths waiting together are prefilled in passes of
         similar lengths (:meth:`_length_buckets`) rather than one pass padded to the longest."""
-        """Rows of one request keep their prompt's keys and values once (:meth:`_use_grouped`)."""
         self._fast_options = fastpath.FastPathOptions(
             enabled=fast_decode, lean=lean_decode, compiled=compile
         )
@@ -931,8 +931,9 @@ class GenerationEngine:
         (and more than :data:`PREFILL_PADDING_MIN` positions); then passes of prompts of
         similar lengths, shortest first.
 
-        Prompts of 74-186 tokens (the GSM8K test questions) prefilled ~18 at a time were 35%
-        padding; every padding position costs a whole position's multiplies."""
+        Prompts of 74-186 tokens (the GSM8K test questions), prefilled ~18 at a time, were a
+        quarter padding (12% split this way, ``bench/engine_prefill_split.py``); every padding
+        position costs a whole position's multiplies."""
         lengths = [len(h.prompt_ids) for h in handles]
         if (
             not self.split_prefill_by_length
