@@ -19,7 +19,9 @@ process, reloading the server's weights after every step, and writes into the ou
 With ``--eval`` (on in every recipe) it also runs the environment's own ``evaluate`` on its
 held-out split, greedily, against the served weights: before training (``eval_before.json``),
 every ``--eval-every`` steps, and after the last step (``eval_after.json``); prints a
-before/after table and draws ``training_curves.png``.
+before/after table and draws ``training_curves.png``. The evaluations run in one process for
+the whole run (``example_trainer.eval_worker``: the env is imported and set up once), each
+into ``OUTPUT/evals/LABEL``.
 
 ``--recipe NAME`` picks a tested set of settings (see ``example_trainer/recipes.py``); any flag
 given on the command line still wins. ``--resume`` continues an interrupted run in the same
@@ -311,24 +313,40 @@ class _Evaluator:
         self.env_argv = _flag_list(args.env_arg, "--env-arg")
         self.console = logging.getLogger("atropos-quickstart")
         self.results: dict[int, dict[str, float]] = {}
+        self._worker: Any = None
+
+    def worker(self) -> Any:
+        """The run's evaluation process (:class:`~example_trainer.eval_worker.EvalWorker`):
+        the env is imported, built and set up once for all of the run's evaluations."""
+        if self._worker is None:
+            from example_trainer.eval_worker import EvalWorker
+            from example_trainer.report import eval_flags, eval_process_env
+
+            flags = eval_flags(
+                inference_url=self.where["inference_url"],
+                model_name=self.where["served_name"],
+                tokenizer=self.where["tokenizer"],
+                env_args=self.env_argv,
+                server_type="openai" if self.args.inference == "vllm" else None,
+            )
+            self._worker = EvalWorker(
+                self.env_file,
+                flags,
+                self.out / "logs" / "evaluator.log",
+                cwd=REPO_ROOT,
+                env=eval_process_env(),
+            )
+        return self._worker
+
+    def close(self) -> None:
+        """Stop the evaluation process, if one was started."""
+        if self._worker is not None:
+            self._worker.close()
 
     def run(self, step: int, label: str) -> dict[str, float]:
         folder = self.out / "evals" / label
-        self.console.info(
-            "held-out evaluation (%s): running %s evaluate", label, self.env_file.name
-        )
-        from example_trainer.report import run_env_evaluate
-
-        metrics = run_env_evaluate(
-            self.env_file,
-            folder,
-            inference_url=self.where["inference_url"],
-            model_name=self.where["served_name"],
-            tokenizer=self.where["tokenizer"],
-            env_args=self.env_argv,
-            server_type="openai" if self.args.inference == "vllm" else None,
-            cwd=REPO_ROOT,
-        )
+        self.console.info("held-out evaluation (%s): %s evaluate()", label, self.env_file.name)
+        metrics = self.worker().evaluate(folder)
         if label in ("before", "after"):
             shutil.copyfile(folder / "metrics.json", self.out / f"eval_{label}.json")
         self.results[step] = metrics
@@ -505,6 +523,7 @@ def run(args: QuickstartOptions) -> int:
     finally:
         stop_watch.set()
         queue_line = _queue_report(api_url, out)
+        evaluator.close()
         launched.stop()
         _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
         if queue_line:

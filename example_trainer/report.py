@@ -64,16 +64,13 @@ def run_env_evaluate(
         "evaluate",
         "--env.data_dir_to_save_evals",
         str(out_dir),
-        "--env.use_wandb",
-        "false",
-        "--env.tokenizer_name",
-        tokenizer,
-        "--openai.base_url",
-        f"{inference_url}/v1",
-        "--openai.model_name",
-        model_name,
-        *(["--openai.server_type", server_type] if server_type else []),
-        *env_args,
+        *eval_flags(
+            inference_url=inference_url,
+            model_name=model_name,
+            tokenizer=tokenizer,
+            env_args=env_args,
+            server_type=server_type,
+        ),
     ]
     log = out_dir / "evaluate.log"
     started = time.monotonic()
@@ -125,6 +122,35 @@ def run_env_evaluate(
     metrics = read_eval_metrics(metrics_file)
     metrics["eval_seconds"] = time.monotonic() - started
     return metrics
+
+
+def eval_flags(
+    *,
+    inference_url: str,
+    model_name: str,
+    tokenizer: str,
+    env_args: Sequence[str] = (),
+    server_type: str | None = None,
+) -> list[str]:
+    """The env command-line flags of a held-out evaluation against ``inference_url``: no
+    wandb, the served model and its tokenizer, then ``env_args``."""
+    return [
+        "--env.use_wandb",
+        "false",
+        "--env.tokenizer_name",
+        tokenizer,
+        "--openai.base_url",
+        f"{inference_url}/v1",
+        "--openai.model_name",
+        model_name,
+        *(["--openai.server_type", server_type] if server_type else []),
+        *env_args,
+    ]
+
+
+def eval_process_env() -> dict[str, str]:
+    """The environment variables of an evaluation process (offline, unbuffered)."""
+    return _child_env()
 
 
 def eval_progress(log: Path) -> str | None:

@@ -456,9 +456,13 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     assert (out / "evals" / "step_1" / "metrics.json").is_file()
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out (greedy)" in output and "eval/percent_correct" in output  # the table
-    for name in ("run-api.log", "atropos-serve.log", "env.log"):
+    # the three evaluations ran in one evaluation process (env set up once)
+    for name in ("run-api.log", "atropos-serve.log", "env.log", "evaluator.log"):
         assert (out / "logs" / name).is_file()
     assert f"Everything is in {out}" in output and "rollouts.html" in output
+    # stopped before the quickstart exits
+    workers = _procs_mentioning("example_trainer.eval_worker")
+    assert not [c for c in workers if f"127.0.0.1:{inf_port}/" in c], workers
     for port in (api_port, inf_port):
         assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
         with pytest.raises(httpx.TransportError):
