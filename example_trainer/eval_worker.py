@@ -184,6 +184,7 @@ class EvalWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._ready = False
+        self._busy = False
 
     def start(self) -> None:
         """Start the worker process (it imports the env and runs its ``setup()``)."""
@@ -192,6 +193,8 @@ class EvalWorker:
         from example_trainer.inference_process import watch_process_group
 
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        # a new process (the first, or one after a worker died): its own answers and start-up
+        self._replies, self._ready = queue.Queue(), False
         with open(self.log, "ab") as handle:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "example_trainer.eval_worker", str(self.env_file)]
@@ -204,16 +207,19 @@ class EvalWorker:
                 start_new_session=True,
             )
         watch_process_group(self.proc.pid)  # stopped with us even if we are SIGKILLed
-        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(self.proc.stdout, self._replies), daemon=True
+        ).start()
 
-    def _read(self, stream: IO[bytes] | None) -> None:
+    @staticmethod
+    def _read(stream: IO[bytes] | None, replies: queue.Queue[dict[str, Any] | None]) -> None:
         assert stream is not None
         for line in stream:
             try:
-                self._replies.put(json.loads(line))
+                replies.put(json.loads(line))
             except ValueError:
                 continue
-        self._replies.put(None)  # the worker exited
+        replies.put(None)  # the worker exited
 
     def _wait_reply(
         self, timeout: float, progress: Path | None, progress_every: float
@@ -269,12 +275,14 @@ class EvalWorker:
             if not reply.get("ready"):
                 raise EvaluationError(f"unexpected answer from the evaluation worker: {reply}")
             self._ready = True
+        self._busy = True
         try:
             self.proc.stdin.write((json.dumps({"out_dir": str(out_dir)}) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self._wait_reply(timeout, out_dir / "evaluate.log", 0)  # raises with the log
         reply = self._wait_reply(timeout, out_dir / "evaluate.log", progress_every)
+        self._busy = False
         if not reply.get("ok"):
             tail = (out_dir / "evaluate.log").read_text(errors="replace")[-2000:]
             raise EvaluationError(f"{self.env_file.name} evaluation failed: {reply}\n{tail}")
@@ -286,7 +294,8 @@ class EvalWorker:
         return metrics
 
     def close(self) -> None:
-        """Stop the worker (end of input, then SIGKILL of its process group after 10 s)."""
+        """Stop the worker: between evaluations, end of input (it shuts the env down) and
+        SIGKILL of its process group after 10 s; during one (interrupted, timed out), at once."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -295,10 +304,12 @@ class EvalWorker:
         with contextlib.suppress(OSError):
             if proc.stdin is not None:
                 proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        if not self._busy:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._busy = False
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -1,6 +1,7 @@
 """The run's evaluation process (``example_trainer.eval_worker.EvalWorker``): the env is set up
 once and evaluated as often as asked, each evaluation's files in its own folder; a failing
-evaluation is reported and the next one runs; a worker that dies is reported with its log."""
+evaluation is reported and the next one runs; a worker that dies is reported with its log and
+the next evaluation starts a new one."""
 
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ def test_a_failing_evaluation_is_reported_and_the_next_runs(
         assert worker.evaluate(tmp_path / "evals" / "second", timeout=300)["eval/run"] == 2.0
         with pytest.raises(EvaluationError, match="exited with 3"):
             worker.evaluate(tmp_path / "evals" / "third", timeout=300)
+        assert worker.proc is None
+        # the next evaluation starts a new process, set up afresh (its first call fails again)
+        with pytest.raises(EvaluationError, match="the grader broke"):
+            worker.evaluate(tmp_path / "evals" / "fourth", timeout=300)
+        assert worker.evaluate(tmp_path / "evals" / "fifth", timeout=300)["eval/run"] == 2.0
     finally:
         worker.close()
     assert worker.proc is None
