@@ -22,7 +22,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +74,46 @@ async def run_round(engine: GenerationEngine, prompts: list[list[int]], in_fligh
     return len(prompts) / (time.perf_counter() - started)
 
 
+def serving_dtype(dtype: str, threads: int) -> str:
+    """``dtype`` with ``auto`` resolved as atropos-quickstart serves: bfloat16 where the CPU
+    has bfloat16 units (its products measured at least 1.5x as fast as float32 ones), else
+    float32."""
+    if dtype != "auto":
+        return dtype
+    speedup = bf16_speedup("cpu", threads)
+    return "bfloat16" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
+
+
+def alternate(
+    engine: GenerationEngine,
+    attribute: str,
+    settings: Mapping[str, Any],
+    run: Callable[[], float],
+    rounds: int,
+    counted: Sequence[str],
+    unit: str,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+    """``run()`` (a rate) once per setting per round with the engine's ``attribute`` set to
+    ``settings[name]``, alternating which setting goes first, after a warm-up round of each
+    (not counted); prints each rate in ``unit``. Returns per setting its rates and how much
+    each of the engine's ``counted`` stats grew in its counted rounds."""
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    grew = {name: dict.fromkeys(counted, 0) for name in settings}
+    for round_index in range(rounds + 1):
+        order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
+        for name in order:
+            setattr(engine, attribute, settings[name])
+            before = dict(engine.stats)
+            rate = run()
+            if round_index == 0:
+                continue  # warm-up round, not counted
+            rates[name].append(rate)
+            for key in counted:
+                grew[name][key] += engine.stats[key] - before[key]
+            print(f"{name}: {rate:.3f} {unit}", flush=True)
+    return rates, grew
+
+
 def recipe_setup(
     description: str, groups: int, rounds: int
 ) -> tuple[argparse.Namespace, GenerationEngine, list[list[int]]]:
@@ -91,9 +133,7 @@ def recipe_setup(
     parser.add_argument("--rounds", type=int, default=rounds, help="rounds of each condition")
     args = parser.parse_args()
 
-    if args.dtype == "auto":
-        speedup = bf16_speedup("cpu", args.threads)
-        args.dtype = "bfloat16" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
+    args.dtype = serving_dtype(args.dtype, args.threads)
     pin_mmap_threshold()
     torch.set_num_threads(1)
     loaded = load_model(args.model, args.dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
-from engine_contention import recipe_setup, run_round
+from engine_contention import alternate, recipe_setup, run_round
 
 
 def main() -> None:
@@ -24,27 +24,22 @@ def main() -> None:
     # and each round drains the batch): two engines in one process would each keep an OpenMP
     # pool, more threads than cores, which slows every step (see GenerationEngine).
     layouts = {"prompt once per request": True, "prompt once per row": False}
-    results: dict[str, list[float]] = {name: [] for name in layouts}
-    grouped_steps = dict.fromkeys(layouts, 0)
-    steps = dict.fromkeys(layouts, 0)
-    for round_index in range(args.rounds + 1):
-        order = list(layouts) if round_index % 2 == 0 else list(reversed(layouts))
-        for name in order:
-            engine.share_prompt_kv = layouts[name]
-            before = dict(engine.stats)
-            rate = asyncio.run(run_round(engine, prompts, args.in_flight))
-            if round_index == 0:
-                continue  # warm-up round, not counted
-            results[name].append(rate)
-            grouped_steps[name] += engine.stats["grouped_steps"] - before["grouped_steps"]
-            steps[name] += engine.stats["steps"] - before["steps"]
-            print(f"{name}: {rate:.2f} groups/s", flush=True)
+
+    results, grew = alternate(
+        engine,
+        "share_prompt_kv",
+        layouts,
+        lambda: asyncio.run(run_round(engine, prompts, args.in_flight)),
+        args.rounds,
+        ("grouped_steps", "steps"),
+        "groups/s",
+    )
     engine.shutdown()
     print()
     for name in layouts:
         print(
             f"{name}: median {statistics.median(results[name]):.2f} groups/s "
-            f"({grouped_steps[name]} of {steps[name]} decode steps grouped)"
+            f"({grew[name]['grouped_steps']} of {grew[name]['steps']} decode steps grouped)"
         )
     shared, per_row = (statistics.median(r) for r in results.values())
     print(f"once per request / once per row: {shared / per_row:.2f}x")

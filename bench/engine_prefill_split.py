@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
 
+from engine_contention import alternate, serving_dtype  # noqa: E402
 from gsm8k_server import BUNDLED_GSM8K, load_rows  # noqa: E402
 
 from atroposlib.inference.engine import GenerationEngine  # noqa: E402
 from atroposlib.inference.models import load_model  # noqa: E402
 from atroposlib.inference.sampling import SamplingParams  # noqa: E402
-from atroposlib.trainer.throughput import BF16_SPEEDUP_FOR_MIXED, bf16_speedup  # noqa: E402
 from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
 
 SUFFIX = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
@@ -73,10 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="counted rounds of each setting")
     args = parser.parse_args()
 
-    dtype = args.dtype
-    if dtype == "auto":  # as atropos-quickstart picks it
-        speedup = bf16_speedup("cpu", args.threads)
-        dtype = "bfloat16" if speedup >= BF16_SPEEDUP_FOR_MIXED else "float32"
+    dtype = serving_dtype(args.dtype, args.threads)
     pin_mmap_threshold()
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype)
@@ -89,23 +86,18 @@ def main() -> None:
     print(f"{dtype}; {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens", flush=True)
 
     settings = {"passes of similar lengths": True, "one pass, padded": False}
-    rates: dict[str, list[float]] = {name: [] for name in settings}
-    passes = dict.fromkeys(settings, 0)
-    padding = dict.fromkeys(settings, 0)
-    for round_index in range(args.rounds + 1):
-        order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
-        for name in order:
-            engine.split_prefill_by_length = settings[name]
-            before = dict(engine.stats)
-            rate = asyncio.run(run_round(engine, prompts, args.concurrency))
-            if round_index == 0:
-                continue  # warm-up round, not counted
-            rates[name].append(rate)
-            passes[name] += engine.stats["prefill_passes"] - before["prefill_passes"]
-            padding[name] += (
-                engine.stats["prefill_padding_tokens"] - before["prefill_padding_tokens"]
-            )
-            print(f"{name}: {rate:.3f} items/s", flush=True)
+
+    rates, grew = alternate(
+        engine,
+        "split_prefill_by_length",
+        settings,
+        lambda: asyncio.run(run_round(engine, prompts, args.concurrency)),
+        args.rounds,
+        ("prefill_passes", "prefill_padding_tokens"),
+        "items/s",
+    )
+    passes = {name: grew[name]["prefill_passes"] for name in settings}
+    padding = {name: grew[name]["prefill_padding_tokens"] for name in settings}
     engine.shutdown()
     print()
     real = sum(lengths) * args.rounds

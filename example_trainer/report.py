@@ -1,9 +1,10 @@
 """What a training run leaves for people to read: held-out evaluations, a before/after table and
 the training curves.
 
-- :func:`run_env_evaluate` runs an environment's own ``evaluate`` command (its held-out split,
-  greedy) against the inference server that serves the current weights, and returns the
-  metrics it wrote.
+- :func:`eval_flags` are the env flags of a held-out evaluation (its held-out split, greedy)
+  against the inference server that serves the current weights;
+  :class:`example_trainer.eval_worker.EvalWorker` runs it, :func:`read_eval_metrics` reads what
+  it wrote.
 - :func:`before_after_table` formats two evaluations side by side.
 - :func:`plot_training_curves` draws ``training_curves.png`` from ``metrics.jsonl``: reward,
   held-out accuracy, loss, entropy/KL and trainer throughput by step.
@@ -12,116 +13,20 @@ the training curves.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from example_trainer.inference_process import unwatch_process_group, watch_process_group
-
 EVAL_PREFIX = "eval/"
-
-logger = logging.getLogger("atropos-quickstart")
 
 _BAR = re.compile(r"(\d+)/(\d+) \[([0-9:]+)<([0-9:?]+)")
 
 
 class EvaluationError(RuntimeError):
-    """An environment's ``evaluate`` command failed."""
-
-
-def run_env_evaluate(
-    env_file: Path,
-    out_dir: Path,
-    *,
-    inference_url: str,
-    model_name: str,
-    tokenizer: str,
-    env_args: Sequence[str] = (),
-    server_type: str | None = None,
-    timeout: float = 1800.0,
-    cwd: Path | None = None,
-    progress_every: float = 30.0,
-) -> dict[str, float]:
-    """Run ``python ENV_FILE evaluate`` into ``out_dir``; returns its numeric metrics.
-
-    ``env_args`` are ``--env.*`` / ``--openai.*`` flags as a flat argv list (e.g. the
-    settings that pick the task, so the held-out split is the one training left out).
-    Every ``progress_every`` seconds (0: never) it logs how far the evaluation is (the env's
-    progress bar in ``evaluate.log``: items done, elapsed and remaining time).
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        str(env_file),
-        "evaluate",
-        "--env.data_dir_to_save_evals",
-        str(out_dir),
-        *eval_flags(
-            inference_url=inference_url,
-            model_name=model_name,
-            tokenizer=tokenizer,
-            env_args=env_args,
-            server_type=server_type,
-        ),
-    ]
-    log = out_dir / "evaluate.log"
-    started = time.monotonic()
-    last_report = started
-    with open(log, "wb") as handle:
-        proc = subprocess.Popen(
-            command,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=cwd,
-            env=_child_env(),
-            start_new_session=True,
-        )
-        # stopped with us even if we are SIGKILLed (see inference_process)
-        watch_process_group(proc.pid)
-        try:
-            while proc.poll() is None:
-                now = time.monotonic()
-                if now - started > timeout:
-                    raise EvaluationError(
-                        f"{env_file.name} evaluate still running after {timeout:.0f} s (log: {log})"
-                    )
-                if progress_every and now - last_report >= progress_every:
-                    last_report = now
-                    logger.info(
-                        "held-out evaluation: %s (%.0f s so far; log: %s)",
-                        eval_progress(log) or "starting",
-                        now - started,
-                        log,
-                    )
-                try:  # returns as soon as it exits (a sleep would add up to its length)
-                    proc.wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-            unwatch_process_group(proc.pid)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise EvaluationError(f"{env_file.name} evaluate exited with {proc.returncode}:\n{tail}")
-    metrics_file = out_dir / "metrics.json"
-    if not metrics_file.is_file():
-        raise EvaluationError(f"{env_file.name} evaluate wrote no {metrics_file}")
-    metrics = read_eval_metrics(metrics_file)
-    metrics["eval_seconds"] = time.monotonic() - started
-    return metrics
+    """A held-out evaluation failed (the env's log says why)."""
 
 
 def eval_flags(
@@ -150,7 +55,7 @@ def eval_flags(
 
 def eval_process_env() -> dict[str, str]:
     """The environment variables of an evaluation process (offline, unbuffered)."""
-    return _child_env()
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def eval_progress(log: Path) -> str | None:
@@ -171,12 +76,6 @@ def eval_progress(log: Path) -> str | None:
         return None
     done, total, elapsed, remaining = matches[-1]
     return f"{done}/{total} items, {elapsed} elapsed, ~{remaining} left"
-
-
-def _child_env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def read_eval_metrics(path: Path) -> dict[str, float]:

@@ -938,15 +938,15 @@ class GenerationEngine:
         if (
             not self.split_prefill_by_length
             or len(handles) < 2
-            or not self._too_much_padding(lengths)
+            or not self._too_much_padding(len(lengths), max(lengths), sum(lengths))
         ):
             return [handles]
         buckets: list[list[RequestHandle]] = []
         current: list[RequestHandle] = []
         real = 0
         for handle in sorted(handles, key=lambda h: len(h.prompt_ids)):
-            n = len(handle.prompt_ids)
-            if current and self._too_much_padding([n] * len(current), real):
+            n = len(handle.prompt_ids)  # the longest so far: the bucket is padded to it
+            if current and self._too_much_padding(len(current) + 1, n, real + n):
                 buckets.append(current)
                 current, real = [], 0
             current.append(handle)
@@ -955,14 +955,11 @@ class GenerationEngine:
         return buckets
 
     @staticmethod
-    def _too_much_padding(lengths: list[int], real: int | None = None) -> bool:
-        """Whether one more prompt of ``lengths[0]`` tokens joining prompts totalling ``real``
-        tokens (or the prompts of ``lengths`` together, when ``real`` is None) pads too much."""
-        if real is None:
-            padded, total = len(lengths) * max(lengths), sum(lengths)
-        else:
-            padded, total = (len(lengths) + 1) * lengths[0], real + lengths[0]
-        padding = padded - total
+    def _too_much_padding(prompts: int, longest: int, tokens: int) -> bool:
+        """Whether ``prompts`` prompts of ``tokens`` tokens in all, padded to the ``longest``,
+        would pad too much in one pass."""
+        padded = prompts * longest
+        padding = padded - tokens
         return padding > PREFILL_PADDING_MIN and padding > PREFILL_PADDING_SLACK * padded
 
     def _combine(self, parts: list[_Prefilled]) -> _Prefilled:
