@@ -1,6 +1,6 @@
 """Run ``ENV.py check ARGS...`` for each ``{"file", "args"}`` JSON object given on stdin, in one
 process (torch, transformers and datasets are imported once), each from its own folder; prints
-one JSON line per env: its exit code and output."""
+one JSON line per env: its exit code, output and time taken."""
 
 import contextlib
 import io
@@ -8,6 +8,7 @@ import json
 import os
 import runpy
 import sys
+import time
 
 for line in sys.stdin:
     if not line.strip():
@@ -20,6 +21,7 @@ for line in sys.stdin:
     cwd = os.getcwd()
     os.chdir(os.path.dirname(path))
     sys.path.insert(0, os.path.dirname(path))
+    started = time.monotonic()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             runpy.run_path(path, run_name="__main__")
@@ -30,4 +32,6 @@ for line in sys.stdin:
     finally:
         os.chdir(cwd)
         sys.path.remove(os.path.dirname(path))
-    print(json.dumps({"file": job["file"], "code": code, "out": out.getvalue()}), flush=True)
+    seconds = round(time.monotonic() - started, 1)
+    result = {"file": job["file"], "code": code, "out": out.getvalue(), "seconds": seconds}
+    print(json.dumps(result), flush=True)

@@ -101,3 +101,5 @@ def test_every_bundled_env_passes_check(tiny_serve, tiny_model_dir: Path, tmp_pa
     assert not failed, "\n\n".join(f"== {name}\n{out}" for name, out in failed.items())
     for result in results:
         assert "ok: 0 error(s)" in result["out"], result["out"][-2000:]
+    timings = ", ".join(f"{Path(r['file']).name} {r['seconds']} s" for r in results)
+    print(f"check per env: {timings}")
