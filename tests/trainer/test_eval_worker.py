@@ -99,3 +99,45 @@ def test_a_failing_evaluation_is_reported_and_the_next_runs(
     finally:
         worker.close()
     assert worker.proc is None
+
+
+def test_an_early_start_that_fails_its_setup_is_started_again_once(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """atropos-quickstart starts the evaluation process while the servers start; if the env's
+    setup() needed something that was not up yet, the first evaluation starts it again instead
+    of failing the run. A worker not started early fails as before."""
+    ready = tmp_path / "server-up"
+    env_file = tmp_path / "needs_server_env.py"
+    env_file.write_text(
+        "from pathlib import Path\n\n"
+        "from tests.envs.metrics_env import MetricsEnv\n\n\n"
+        "class NeedsServerEnv(MetricsEnv):\n"
+        "    async def setup(self):\n"
+        f"        if not Path({str(ready)!r}).exists():\n"
+        "            raise ConnectionError('the server is not up')\n"
+        "        await super().setup()\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    NeedsServerEnv.cli()\n"
+    )
+    late = _worker(env_file, tmp_path, tiny_model_dir)
+    try:
+        with pytest.raises(EvaluationError, match="the server is not up"):
+            late.evaluate(tmp_path / "evals" / "late", timeout=300)
+    finally:
+        late.close()
+    early = _worker(env_file, tmp_path, tiny_model_dir)
+    try:
+        early.start(early=True)
+        assert early.proc is not None
+        first_pid = early.proc.pid
+        early.proc.wait(timeout=120)  # its setup() failed: the "server" was not up
+        ready.touch()
+        with caplog.at_level("WARNING", logger="example_trainer.eval_worker"):
+            before = early.evaluate(tmp_path / "evals" / "before", timeout=300)
+        assert before["eval/run"] == 1.0
+        assert early.proc is not None and early.proc.pid != first_pid
+        assert "failed its start-up" in caplog.text
+        assert "the server is not up" in caplog.text
+    finally:
+        early.close()
