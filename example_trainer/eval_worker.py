@@ -185,17 +185,11 @@ class EvalWorker:
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._ready = False
         self._busy = False
-        self._early = False
 
-    def start(self, *, early: bool = False) -> None:
-        """Start the worker process (it imports the env and runs its ``setup()``).
-
-        ``early``: started before the servers it evaluates against answer (its start-up then
-        overlaps theirs); if the start-up fails, the first :meth:`evaluate` starts it once
-        more instead of failing, in case ``setup()`` needed a server that was not up yet."""
+    def start(self) -> None:
+        """Start the worker process (it imports the env and runs its ``setup()``)."""
         if self.proc is not None:
             return
-        self._early = early
         from example_trainer.inference_process import watch_process_group
 
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -277,22 +271,7 @@ class EvalWorker:
         self.start()
         assert self.proc is not None and self.proc.stdin is not None
         if not self._ready:
-            try:
-                reply = self._wait_reply(timeout, None, 0)
-            except EvaluationError as exc:
-                if not self._early:
-                    raise
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                logger.warning(
-                    "the evaluation process started with the servers failed its start-up (%s); "
-                    "starting it again now that they answer (log: %s)",
-                    lines[-1] if lines else exc,
-                    self.log,
-                )
-                self.start()
-                assert self.proc is not None
-                reply = self._wait_reply(timeout, None, 0)
-            self._early = False
+            reply = self._wait_reply(timeout, None, 0)
             if not reply.get("ready"):
                 raise EvaluationError(f"unexpected answer from the evaluation worker: {reply}")
             self._ready = True

@@ -450,10 +450,6 @@ def run(args: QuickstartOptions) -> int:
     final = None
     env_started = False
     try:
-        if args.eval:
-            # the evaluation process imports the env and runs its setup() while the servers
-            # start (2 cores: ~12 s of start-up that the "before" evaluation no longer waits for)
-            evaluator.worker().start(early=True)
         launched.start_services()  # run-api and atropos-serve, each answering /health
 
         def on_ready() -> None:
