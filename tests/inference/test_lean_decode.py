@@ -185,7 +185,7 @@ def test_refresh_after_an_in_place_update_rewrites_the_copies_it_has(
         assert fastpath.refresh(prepared).decode_path == "transformers"
         return
     assert prepared.lean is not None
-    packed = {name: m._atropos_packed for name, m in model.named_modules() if is_packed(m)}
+    packed = _packed_copies(model)
     fused = [(layer.qkv, layer.gate_up) for layer in prepared.lean.layers]
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -195,10 +195,21 @@ def test_refresh_after_an_in_place_update_rewrites_the_copies_it_has(
     refreshed = fastpath.refresh(prepared)
     assert refreshed is prepared and refreshed.current()
     assert refreshed.decode_path == "lean"
-    assert {n: m._atropos_packed for n, m in model.named_modules() if is_packed(m)} == packed
+    assert _packed_copies(model) == packed
     for layer, (qkv, gate_up) in zip(refreshed.lean.layers, fused, strict=True):
         assert layer.qkv is qkv and layer.gate_up is gate_up
     _assert_lean_steps_equal_the_model_forward(model, padded=True, lean=refreshed.lean)
+
+
+def _packed_copies(model) -> dict[str, int]:
+    """Each packed layer's packed matrix (its own, or the one it shares with its fused
+    siblings), by identity."""
+    copies = {}
+    for name, module in model.named_modules():
+        if is_packed(module):
+            group = getattr(module, "_atropos_fused", None)
+            copies[name] = id(group.packed if group is not None else module._atropos_packed)
+    return copies
 
 
 def test_models_it_cannot_run_exactly_get_none(tiny_model_dir: Path) -> None:

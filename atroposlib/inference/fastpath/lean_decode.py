@@ -20,9 +20,10 @@ kernels (:mod:`atroposlib.inference.fastpath.packed_linear`); :func:`LeanDecoder
 for anything else, and the engine keeps the ``transformers`` forward pass. Prefill (many
 tokens per row) always uses the ``transformers`` forward pass.
 
-The fused weights are copies (for SmolLM2-135M in bf16, 140 MB); a model whose weights are
-changed in place afterwards is noticed (:meth:`LeanDecoder.current`) and the engine falls
-back to the ``transformers`` path for it.
+The fused matrices are the model's own packed ones (:class:`~.packed_linear.FusedLinears`,
+which prefill multiplies with too); a model whose weights are changed in place afterwards is
+noticed (:meth:`LeanDecoder.current`) and the engine falls back to the ``transformers`` path
+for it until they are re-packed.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from transformers.cache_utils import DynamicCache
 
 from .attention import ATTENTION_NAME
 from .grouped import GroupedBatch
-from .packed_linear import BATCH_HINT, is_packed, packing_supported
+from .packed_linear import fused_group, is_packed, packing_supported
 
 # Architectures whose decoder layer is Llama's (Qwen2 adds biases to q/k/v, Qwen3 normalises
 # q and k per head); all with full attention only.
@@ -46,35 +47,8 @@ _SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
-
-
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _cat_bias(*layers: nn.Linear) -> torch.Tensor | None:
-    biases = [layer.bias for layer in layers]
-    if all(b is None for b in biases):
-        return None
-    if any(b is None for b in biases):
-        raise _Unsupported("some fused projections have a bias and some do not")
-    return torch.cat([b.detach() for b in biases]).contiguous()  # type: ignore[union-attr]
-
-
-def _fused_projections(
-    layer: nn.Module,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """A decoder layer's query/key/value and gate/up weights, each concatenated into one
-    (plain layout), with their concatenated biases (None where the layers have none)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (
-        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        _cat_bias(mlp.gate_proj, mlp.up_proj),
-    )
 
 
 class _Unsupported(Exception):
@@ -185,15 +159,18 @@ class LeanDecoder:
                 q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
                 if (q_norm is None) != (k_norm is None):
                     raise _Unsupported("a norm on queries or keys only")
-                qkv, qkv_bias, gate_up, gate_up_bias = _fused_projections(layer)
+                qkv = fused_group(attn.q_proj, attn.k_proj, attn.v_proj)
+                gate_up = fused_group(mlp.gate_proj, mlp.up_proj)
+                if qkv is None or gate_up is None:
+                    raise _Unsupported("the q/k/v or gate/up projections are not packed fused")
                 layers.append(
                     _Layer(
-                        qkv=_pack(qkv),
-                        qkv_bias=qkv_bias,
+                        qkv=qkv.packed,
+                        qkv_bias=qkv.bias,
                         o=attn.o_proj._atropos_packed,
                         o_bias=attn.o_proj.bias,
-                        gate_up=_pack(gate_up),
-                        gate_up_bias=gate_up_bias,
+                        gate_up=gate_up.packed,
+                        gate_up_bias=gate_up.bias,
                         down=mlp.down_proj._atropos_packed,
                         down_bias=mlp.down_proj.bias,
                         q_norm=None if q_norm is None else q_norm.weight,
@@ -209,29 +186,29 @@ class LeanDecoder:
         return layers
 
     def refresh_in_place(self) -> bool:
-        """After the model's weights were changed in place (same shapes and dtype), rewrite the
-        fused query/key/value and gate/up copies from them without allocating new ones, and
-        count the new weights as current. The packed output, down and LM-head projections are
-        the layers' own packed copies (:func:`~.packed_linear.repack_in_place` refreshes them).
-        False (nothing changed) when the model's layout no longer fits; build a new decoder."""
+        """After the model's weights were changed in place (same shapes and dtype) and its
+        packed copies rewritten where they are (:func:`~.packed_linear.repack_in_place`, which
+        refreshes every matrix this step multiplies with: the fused query/key/value and
+        gate/up ones and the output, down and LM-head projections), count the new weights as
+        current. False (nothing changed) when the model's layout no longer fits: build a new
+        decoder."""
         inner = self.model.model  # type: ignore[attr-defined]
         if len(inner.layers) != len(self.layers):
             return False
-        with torch.no_grad():
-            for layer, fused in zip(inner.layers, self.layers, strict=True):
-                attn, mlp = layer.self_attn, layer.mlp
-                if attn.o_proj._atropos_packed is not fused.o:
-                    return False
-                if mlp.down_proj._atropos_packed is not fused.down:
-                    return False
-            for layer, fused in zip(inner.layers, self.layers, strict=True):
-                qkv, qkv_bias, gate_up, gate_up_bias = _fused_projections(layer)
-                fused.qkv.copy_(qkv.to_mkldnn())
-                fused.gate_up.copy_(gate_up.to_mkldnn())
-                if fused.qkv_bias is not None:
-                    fused.qkv_bias.copy_(qkv_bias)
-                if fused.gate_up_bias is not None:
-                    fused.gate_up_bias.copy_(gate_up_bias)
+        for layer, fused in zip(inner.layers, self.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = fused_group(attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up = fused_group(mlp.gate_proj, mlp.up_proj)
+            if (
+                qkv is None
+                or gate_up is None
+                or qkv.packed is not fused.qkv
+                or gate_up.packed is not fused.gate_up
+                or not (qkv.current() and gate_up.current())
+                or getattr(attn.o_proj, "_atropos_packed", None) is not fused.o
+                or getattr(mlp.down_proj, "_atropos_packed", None) is not fused.down
+            ):
+                return False
         self._sources = [
             (p, None if p.is_inference() else p._version) for p in self.model.parameters()
         ]
