@@ -46,10 +46,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
-from atroposlib.utils.shm_weights import SegmentSpaceError
-from example_trainer.api import TrajectoryAPIError
-from example_trainer.checkpoint import CheckpointSpaceError
-from example_trainer.inference_process import InferenceLaunchError
 from example_trainer.recipes import RECIPES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -363,12 +359,17 @@ def run(args: QuickstartOptions) -> int:
     env_file = find_env_file(args.env)
     trainer_overrides = _trainer_overrides(args.trainer_arg)
     env_argv = _flag_list(args.env_arg, "--env-arg")
-    # torch and transformers load only once the flags are known to be good
+    # torch, transformers and the API's modules load only once the flags are known to be
+    # good: a mistyped flag is reported at once, not after seconds of imports
     from pydantic import ValidationError
 
     from atroposlib.inference.models import resolve_model_source
+    from atroposlib.utils.shm_weights import SegmentSpaceError
+    from example_trainer.api import TrajectoryAPIError
+    from example_trainer.checkpoint import CheckpointSpaceError
     from example_trainer.config import TrainingConfig
     from example_trainer.grpo import train
+    from example_trainer.inference_process import InferenceLaunchError
 
     out = Path(args.output).expanduser().resolve()
     logs, checkpoints = out / "logs", out / "checkpoints"

@@ -619,3 +619,24 @@ def test_quickstart_bad_flags_are_named(tmp_path: Path, argv: list[str], message
     assert not (tmp_path / "logs").exists()  # nothing was started
     if "not found" in message:
         assert "arithmetic" in result.stderr  # lists the known environments
+
+
+def test_quickstart_reports_a_bad_flag_before_loading_torch_or_the_api(tmp_path: Path) -> None:
+    """Flags are checked before the heavy imports (torch, transformers, the API server's
+    modules: seconds on a small CPU), so a typo is answered at once."""
+    code = (
+        "import sys\n"
+        "from example_trainer.quickstart import parse_args\n"
+        "try:\n"
+        f"    parse_args(['--output', {str(tmp_path)!r}, '--steps', '0'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 2, exc.code\n"
+        "heavy = ('torch', 'transformers', 'atroposlib.api.server')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--steps '0'" in result.stderr
+    assert result.stdout.strip() == "[]"
