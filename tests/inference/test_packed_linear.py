@@ -198,3 +198,20 @@ def test_gradients_flow_through_fused_layers() -> None:
     block(torch.randn(4, 32)).sum().backward()
     for layer in (block.q_proj, block.k_proj, block.v_proj, block.gate_proj, block.up_proj):
         assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN is not available")
+def test_inference_tensor_siblings_are_packed_one_by_one() -> None:
+    """Parameters made under ``torch.inference_mode`` cannot be re-pointed at a fused matrix:
+    such layers keep per-layer packed copies and still compute what F.linear computes."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        block = _Block(bias=True)
+        x = torch.randn(3, 32)
+        expected = _reference(block, x)
+    assert block.q_proj.weight.is_inference()
+    assert pack_linear_weights(block) == 6
+    assert fused_group(block.q_proj, block.k_proj, block.v_proj) is None
+    assert all(hasattr(m, "_atropos_packed") for m in (block.q_proj, block.k_proj))
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), expected, rtol=1e-4, atol=1e-4)

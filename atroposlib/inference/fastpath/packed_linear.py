@@ -116,8 +116,10 @@ class FusedLinears:
     def fusable(members: list[Any]) -> bool:
         """Whether ``members`` can be one :class:`FusedLinears`: plain CPU ``nn.Linear``
         layers of one input size and dtype with packed kernels, all with or all without bias,
-        none already packed."""
+        none already packed, none an inference tensor (their data cannot be re-pointed)."""
         if not all(type(m) is nn.Linear and not is_packed(m) for m in members):
+            return False
+        if any(t is not None and t.is_inference() for m in members for t in (m.weight, m.bias)):
             return False
         first = members[0].weight
         return (
