@@ -21,7 +21,7 @@ projections and its gate/up projections (``q_proj``/``k_proj``/``v_proj``,
 are packed as one :class:`FusedLinears`: one matrix, one multiply, each layer handed its slice
 of the product. Their parameters become row views of one plain tensor (the same ``Parameter``
 objects, same values), so a weight update copied into them lands in the fused matrix and
-re-packing it is one reorder, with no concatenation and no second packed copy per layer. The
+re-packing it needs no concatenation and no second packed copy per layer. The
 lean decode step multiplies with the same packed matrices.
 """
 
