@@ -152,7 +152,7 @@ class FusedLinears:
             elif member.bias is not None:
                 return False
             for tensor, fused in pairs:
-                start = offset * (fused.stride(0) if fused.dim() > 1 else 1)
+                start = offset * fused.stride(0)
                 if (
                     tensor.dtype != fused.dtype
                     or tensor.device != fused.device
@@ -169,6 +169,7 @@ class FusedLinears:
         with torch.no_grad():
             self.packed.copy_(self.weight.to_mkldnn())
         self._versions = self._current_versions()
+        self._pending = None  # slices of a product of the old weights
 
     def forward(self, index: int, input: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for ``input``."""
