@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from atroposlib.inference.sampling import RowState, SamplingParams, sample_next
+from atroposlib.inference.sampling import RowState, SamplingParams, probabilities, sample_next
 
 
 def _row(params: SamplingParams, sample_index: int = 0) -> RowState:
@@ -101,3 +101,35 @@ def test_processed_logprobs_when_every_row_is_sampled_alike() -> None:
     # Seeded rows draw the same tokens again (one uniform number per row from its generator).
     again, _ = sample_next(logits, [_row(SamplingParams(max_tokens=1, seed=i)) for i in range(4)])
     assert torch.equal(tokens, again)
+
+
+def test_probabilities_are_exp_with_the_underflow_set_to_zero() -> None:
+    """``probabilities`` equals ``exp`` where float32 keeps a normal number, is exactly 0 below
+    that (where ``exp`` would take its slow subnormal path) and for masked (-inf) tokens."""
+    logprobs = torch.tensor([[0.0, -1.5, -40.0, -86.0, -87.5, -120.0, -1e4, float("-inf")]])
+    probs = probabilities(logprobs)
+    assert torch.equal(probs[0, :4], logprobs[0, :4].exp())
+    assert probs[0, 4:].eq(0).all()
+    assert probs.dtype == torch.float32
+
+
+def test_low_temperature_draws_follow_the_sharpened_distribution() -> None:
+    """At temperature 0.25 most of a 4,000-token vocabulary's log-probabilities lie below the
+    float32 underflow; the draws still follow softmax(logits / T) over the tokens that carry
+    mass, and tokens whose probability underflows are never drawn."""
+    torch.manual_seed(4)
+    logits = torch.randn(1, 4000) * 3 - 5
+    logits[0, :3] = torch.tensor([20.0, 19.6, 19.0])
+    row = _row(SamplingParams(max_tokens=1, temperature=0.25, seed=11))
+    expected = torch.softmax(logits[0] / 0.25, -1)
+    assert (torch.log_softmax(logits[0] / 0.25, -1) < -87).float().mean() > 0.5
+    draws = 6_000
+    counts = torch.zeros(4000)
+    for _ in range(draws):
+        token, processed = sample_next(logits, [row], processed=True)
+        counts[int(token[0])] += 1
+    assert torch.allclose(processed[0], torch.log_softmax(logits[0] / 0.25, -1))
+    assert counts[3:].sum() == 0
+    for token in range(3):
+        p = float(expected[token])
+        assert abs(counts[token] / draws - p) < 5 * math.sqrt(p * (1 - p) / draws)
