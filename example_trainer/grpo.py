@@ -548,9 +548,16 @@ def train(
                     ),
                     "train_seconds": train_seconds,
                     "batch_wait_seconds": started - waited,
-                    "sync_seconds": save_seconds + reload_seconds,
+                    # A sync through a checkpoint (disk) includes writing it; a checkpoint
+                    # written only for the interval or the end is its own figure, not a sync.
+                    "sync_seconds": reload_seconds + (save_seconds if disk_sync else 0.0),
                     "save_seconds": save_seconds,
                     "reload_seconds": reload_seconds,
+                    **(
+                        {"checkpoint_seconds": save_seconds}
+                        if folder is not None and not disk_sync
+                        else {}
+                    ),
                     **({"sync_through_shm": float(sync.transport == "shm")} if sync_now else {}),
                     **{f"sync_{k}": v for k, v in sync_timings.items() if k != "sync_seconds"},
                 },

@@ -103,6 +103,11 @@ class TrainingLogger:
             )
             + f"  sync {metrics['sync_seconds']:.2f} s"
             + (
+                f"  checkpoint {metrics['checkpoint_seconds']:.2f} s"
+                if "checkpoint_seconds" in metrics
+                else ""
+            )
+            + (
                 f"  stale {metrics['staleness_mean']:.1f}/{metrics['staleness_max']:.0f}"
                 if "staleness_mean" in metrics
                 else ""

@@ -244,6 +244,11 @@ def plot_training_curves(
             f"train time: {sum(float(r.get('train_seconds', 0)) for r in train) / 60:.1f} min",
             f"wait for batches: {sum(float(r.get('batch_wait_seconds', 0)) for r in train) / 60:.1f} min",
             f"weight sync: {sum(float(r.get('sync_seconds', 0)) for r in train) / 60:.1f} min",
+        ]
+        checkpoints = [float(r["checkpoint_seconds"]) for r in train if "checkpoint_seconds" in r]
+        if checkpoints:
+            lines.append(f"checkpoints: {len(checkpoints)}, {sum(checkpoints) / 60:.1f} min")
+        lines += [
             f"last lr: {last.get('learning_rate', float('nan')):.2g}",
         ]
         if len(evals) >= 2:

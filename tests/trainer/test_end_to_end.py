@@ -328,6 +328,10 @@ def test_trainer_env_and_server_end_to_end(
         # a server on loopback is synced through shared memory: no step_N folder per sync,
         # the end writes final_model only (resumable)
         assert all(m["sync_through_shm"] == 1.0 for m in metrics)
+        # the sync's figure is the sync: the end's final_model is a checkpoint of its own
+        assert all(m["sync_seconds"] == m["reload_seconds"] for m in metrics)
+        assert [m.get("checkpoint_seconds", 0.0) > 0 for m in metrics] == [False, False, True]
+        assert "checkpoint" in trainer.stderr.split("step 3", 1)[1]
         assert not list(save_path.glob("step_*"))
         assert (save_path / "final_model" / "trainer_state.pt").is_file()
         initial = load_file(tiny_model_dir / "model.safetensors")
