@@ -1,9 +1,9 @@
 """The engine's rows per batch (``--max-concurrency``) on gsm8k-format's training load.
 
 gsm8k-format's env keeps several GRPO groups in flight (16 sampled replies of up to 128 tokens
-to a GSM8K question with the recipe's format instruction, temperature 0.3); the engine decodes
-at most ``max_batch`` rows together, so with 64 (atropos-serve's default) four groups decode
-while the others wait. This bench runs one engine on that load in rounds, switching its
+to a GSM8K question with the recipe's format instruction; ``--temperature`` is 0.3 by default,
+the recipe samples at 0.4). The engine decodes at most ``max_batch`` rows together, so with 64
+(atropos-serve's default) four groups decode while the others wait. This bench runs one engine on that load in rounds, switching its
 ``max_batch`` between rounds (alternating which goes first, after a warm-up round of each),
 and prints groups/s and generated tokens/s for each setting.
 
