@@ -134,17 +134,24 @@ def recipe_setup(
     args = parser.parse_args()
 
     args.dtype = serving_dtype(args.dtype, args.threads)
+    engine = start_engine(
+        args.model, args.dtype, args.threads, max_batch=256, logprobs_mode="processed_logprobs"
+    )
+    return args, engine, recipe_prompts(engine.tokenizer, args.groups)
+
+
+def start_engine(model: str, dtype: str, threads: int, **options: Any) -> GenerationEngine:
+    """A started, warmed-up engine for ``model`` set up the way atropos-serve runs it: mmap
+    threshold pinned, the caller's thread single-threaded, ``threads`` engine threads, heap
+    temporaries. ``options`` go to :class:`GenerationEngine` (``max_batch``, ...)."""
     pin_mmap_threshold()
     torch.set_num_threads(1)
-    loaded = load_model(args.model, args.dtype)
-    engine = GenerationEngine(
-        loaded.model, loaded.tokenizer, max_batch=256, threads=args.threads,
-        logprobs_mode="processed_logprobs",
-    )  # fmt: skip
+    loaded = load_model(model, dtype)
+    engine = GenerationEngine(loaded.model, loaded.tokenizer, threads=threads, **options)
     engine.warmup()
     engine.start()
     use_heap_for_temporaries()
-    return args, engine, recipe_prompts(loaded.tokenizer, args.groups)
+    return engine
 
 
 def main() -> None:

@@ -14,43 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_contention import alternate, serving_dtype  # noqa: E402
+from engine_contention import alternate, serving_dtype, start_engine  # noqa: E402
+from engine_prefill_split import gsm8k_prompts  # noqa: E402
 
 from atroposlib.inference.engine import GenerationEngine  # noqa: E402
-from atroposlib.inference.models import load_model  # noqa: E402
 from atroposlib.inference.sampling import SamplingParams  # noqa: E402
-from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
-
-SUFFIX = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
-
-
-def gsm8k_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:  # noqa: ANN001
-    """``count`` GSM8K train questions as gsm8k-format prompts them (no system turn, the
-    format instruction after the question), as token ids."""
-    from environments.gsm8k_server import BUNDLED_GSM8K, load_rows
-
-    rows = load_rows(BUNDLED_GSM8K, "train")
-    rng = random.Random(seed)
-    prompts = []
-    for row in rng.sample(rows, count):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["question"] + SUFFIX}],
-            add_generation_prompt=True,
-            tokenize=True,
-        )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    return prompts
 
 
 async def run_round(
@@ -58,10 +33,9 @@ async def run_round(
     prompts: list[list[int]],
     in_flight: int,
     temperature: float,
-    tokens: list[int],
 ) -> float:
     """One group of 16 replies (at most 128 tokens) per prompt, ``in_flight`` at a time:
-    groups/s; the tokens generated are appended to ``tokens``."""
+    groups/s (printed with the tokens generated per second)."""
     gate = asyncio.Semaphore(in_flight)
     generated = 0
 
@@ -75,7 +49,6 @@ async def run_round(
     started = time.perf_counter()
     await asyncio.gather(*(group(p) for p in prompts))
     seconds = time.perf_counter() - started
-    tokens.append(generated)
     print(f"  {generated} tokens in {seconds:.1f} s: {generated / seconds:.0f} tokens/s", end="; ")
     return len(prompts) / seconds
 
@@ -94,27 +67,21 @@ def main() -> None:
 
     args.dtype = serving_dtype(args.dtype, args.threads)
     settings = {f"max_batch {int(s)}": int(s) for s in args.settings.split(",")}
-    pin_mmap_threshold()
-    torch.set_num_threads(1)
-    loaded = load_model(args.model, args.dtype)
-    engine = GenerationEngine(
-        loaded.model,
-        loaded.tokenizer,
+    engine = start_engine(
+        args.model,
+        args.dtype,
+        args.threads,
         max_batch=max(settings.values()),
-        threads=args.threads,
         logprobs_mode="processed_logprobs",
     )
-    engine.warmup()
-    engine.start()
-    use_heap_for_temporaries()
-    prompts = gsm8k_prompts(loaded.tokenizer, args.groups)
-    tokens: list[int] = []
+    # train questions, drawn at random as the env draws them
+    prompts = gsm8k_prompts(engine.tokenizer, args.groups, split="train", seed=0)
     print(f"dtype {args.dtype}, {args.groups} groups of 16 per round, {args.in_flight} in flight")
     rates, _ = alternate(
         engine,
         "max_batch",
         settings,
-        lambda: asyncio.run(run_round(engine, prompts, args.in_flight, args.temperature, tokens)),
+        lambda: asyncio.run(run_round(engine, prompts, args.in_flight, args.temperature)),
         args.rounds,
         (),
         "groups/s",

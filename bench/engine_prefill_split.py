@@ -15,29 +15,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
 
-from engine_contention import alternate, serving_dtype  # noqa: E402
+from engine_contention import alternate, serving_dtype, start_engine  # noqa: E402
 from gsm8k_server import BUNDLED_GSM8K, load_rows  # noqa: E402
 
 from atroposlib.inference.engine import GenerationEngine  # noqa: E402
-from atroposlib.inference.models import load_model  # noqa: E402
 from atroposlib.inference.sampling import SamplingParams  # noqa: E402
-from atroposlib.utils.memory import pin_mmap_threshold, use_heap_for_temporaries  # noqa: E402
 
 SUFFIX = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
 
 
-def eval_prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001
-    """The recipe's evaluation prompts: no system turn, the question, the format instruction."""
-    rows = load_rows(BUNDLED_GSM8K, "test")[:count]
+def gsm8k_prompts(
+    tokenizer,  # noqa: ANN001
+    count: int,
+    split: str = "test",
+    seed: int | None = None,
+) -> list[list[int]]:
+    """``count`` GSM8K questions of ``split`` as the gsm8k-format recipe prompts them (no
+    system turn, the question, the format instruction), as token ids: the first ``count``
+    (the evaluation's), or with ``seed`` a random sample."""
+    rows = load_rows(BUNDLED_GSM8K, split)
+    rows = rows[:count] if seed is None else random.Random(seed).sample(rows, count)
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": row["question"] + SUFFIX}],
@@ -74,14 +79,8 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype = serving_dtype(args.dtype, args.threads)
-    pin_mmap_threshold()
-    torch.set_num_threads(1)
-    loaded = load_model(args.model, dtype)
-    engine = GenerationEngine(loaded.model, loaded.tokenizer, threads=args.threads)
-    engine.warmup()
-    engine.start()
-    use_heap_for_temporaries()
-    prompts = eval_prompts(loaded.tokenizer, args.items)
+    engine = start_engine(args.model, dtype, args.threads)
+    prompts = gsm8k_prompts(engine.tokenizer, args.items)
     lengths = sorted(map(len, prompts))
     print(f"{dtype}; {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens", flush=True)
 
