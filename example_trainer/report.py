@@ -237,6 +237,7 @@ def plot_training_curves(
     ax_text.axis("off")
     if train:
         last = train[-1]
+        checkpoints = [float(r["checkpoint_seconds"]) for r in train if "checkpoint_seconds" in r]
         lines = [title] if title else []
         lines += [
             f"steps: {len(steps)}",
@@ -244,11 +245,11 @@ def plot_training_curves(
             f"train time: {sum(float(r.get('train_seconds', 0)) for r in train) / 60:.1f} min",
             f"wait for batches: {sum(float(r.get('batch_wait_seconds', 0)) for r in train) / 60:.1f} min",
             f"weight sync: {sum(float(r.get('sync_seconds', 0)) for r in train) / 60:.1f} min",
-        ]
-        checkpoints = [float(r["checkpoint_seconds"]) for r in train if "checkpoint_seconds" in r]
-        if checkpoints:
-            lines.append(f"checkpoints: {len(checkpoints)}, {sum(checkpoints) / 60:.1f} min")
-        lines += [
+            *(
+                [f"checkpoints: {len(checkpoints)}, {sum(checkpoints) / 60:.1f} min"]
+                if checkpoints
+                else []
+            ),
             f"last lr: {last.get('learning_rate', float('nan')):.2g}",
         ]
         if len(evals) >= 2:
