@@ -210,9 +210,11 @@ def sample_next(
     # vLLM's order: min-p (an argmax-invariant logits processor) before top-k and top-p; the
     # order matters when top-p meets min-p (the nucleus is taken of what min-p left)
     if any(p > 0.0 for p in min_ps):
-        probs = torch.softmax(scores, dim=-1)
-        floor = torch.tensor(min_ps)[:, None] * probs.max(dim=-1, keepdim=True).values
-        scores = scores.masked_fill(probs < floor, float("-inf"))
+        # p < min_p * p_max, compared in log space: s - s_max < log(min_p) (no exp, which at
+        # low temperatures takes float32's slow subnormal path; min_p 0 masks nothing)
+        floor = torch.tensor([math.log(p) if p > 0.0 else -math.inf for p in min_ps])
+        gap = scores - scores.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(gap < floor[:, None], float("-inf"))
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         scores = _top_k_top_p(scores, top_ks, top_ps)
     logprobs = torch.log_softmax(scores, dim=-1)
@@ -283,32 +285,52 @@ def _apply_penalties(scores: torch.Tensor, row: RowState) -> None:
         scores[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
 
 
+#: Candidates ranked first when looking for a top-p nucleus; doubled until the ranked tokens
+#: hold each row's ``top_p`` of the mass.
+_NUCLEUS_START = 256
+
+
 def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf, as vLLM's
     ``apply_top_k_top_p_pytorch``: top-k keeps every logit at least the k-th largest (ties
     included); top-p then keeps, of what top-k left, each token whose mass strictly before it
-    (in descending order) is below ``top_p``, so the most likely token always stays."""
+    (in descending order) is below ``top_p``, so the most likely token always stays.
+
+    The nucleus is found without sorting the whole vocabulary: the most likely tokens are
+    ranked (what top-k kept, or the first 256, doubled until they hold ``top_p`` of every
+    row's mass), and every token after them is cut, since the mass before it is at least
+    that. The ranked tokens' cumulative sums are those a full sort gives.
+    """
     vocab = scores.shape[-1]
     ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
     if any(k < vocab for k in ks):
         kth = scores.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks)[:, None] - 1)
         off = torch.tensor([k >= vocab for k in ks])[:, None]
         scores = scores.masked_fill((scores < kth) & ~off, float("-inf"))
-    if all(p >= 1.0 for p in top_ps):
+    nucleus = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not nucleus:
         return scores
-    # Only what top-k kept can stay: when every row has a top-k, rank those few candidates
-    # (ties included) instead of sorting the whole vocabulary.
-    width = vocab
-    if max(ks) < vocab:
-        width = int(torch.isfinite(scores).sum(dim=-1).max())
-    if width < vocab:
-        sorted_scores, order = scores.topk(width, dim=-1)
-    else:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-    ps = torch.tensor(top_ps, dtype=torch.float32)
-    probs = torch.softmax(sorted_scores, dim=-1)
-    before = probs.cumsum(dim=-1) - probs
     # rows without top-p (1.0) keep everything, even where the cumulative sum rounds to 1
-    cut = (before >= ps[:, None]) & (ps < 1.0)[:, None]
-    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
-    return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    every_row = len(nucleus) == len(top_ps)
+    index = torch.tensor(nucleus, dtype=torch.long)
+    part = scores if every_row else scores[index]
+    ps = torch.tensor([top_ps[i] for i in nucleus], dtype=torch.float32)[:, None]
+    probs = probabilities(torch.log_softmax(part, dim=-1))
+    # only what top-k kept can stay: never rank more than that
+    kept = int(torch.isfinite(part).sum(dim=-1).max())
+    width = min(_NUCLEUS_START, kept)
+    while True:
+        ranked, order = part.topk(width, dim=-1)
+        top = probs.gather(-1, order)
+        cumulative = top.cumsum(dim=-1)
+        if width >= kept or bool((cumulative[:, -1:] >= ps).all()):
+            break
+        width = min(2 * width, kept)
+    cut = (cumulative - top) >= ps
+    ranked = ranked.masked_fill(cut, float("-inf"))
+    masked = torch.full_like(part, float("-inf")).scatter_(-1, order, ranked)
+    if every_row:
+        return masked
+    scores = scores.clone()
+    scores[index] = masked
+    return scores

@@ -133,3 +133,93 @@ def test_low_temperature_draws_follow_the_sharpened_distribution() -> None:
     for token in range(3):
         p = float(expected[token])
         assert abs(counts[token] / draws - p) < 5 * math.sqrt(p * (1 - p) / draws)
+
+
+def _nucleus_reference(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, margin) of one row in float64 by a full sort: kept tokens, and how far each
+    token's preceding mass lies from ``top_p`` (where float32 rounding may decide)."""
+    values = scores.double()
+    probs = torch.softmax(values, -1)
+    sorted_probs, order = probs.sort(descending=True)
+    before = torch.empty_like(probs).scatter_(0, order, sorted_probs.cumsum(0) - sorted_probs)
+    return (before < top_p) & torch.isfinite(values), (before - top_p).abs()
+
+
+def test_top_p_nucleus_without_sorting_the_vocabulary() -> None:
+    """Top-p ranks only the most likely tokens (doubling how many until they hold top_p of the
+    mass) and keeps exactly the nucleus a full sort finds, in peaked and flat rows, beside
+    rows without top-p and with top-k; only a token whose preceding mass is within float32
+    rounding of top_p may be decided either way."""
+    torch.manual_seed(5)
+    vocab = 6000
+    logits = torch.randn(5, vocab) * torch.tensor([[6.0], [0.05], [2.0], [1.0], [3.0]])
+    params = [
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9),  # peaked: a few tokens
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.95),  # flat: ~5,700 tokens
+        SamplingParams(max_tokens=1, temperature=1.0),  # no top-p: all kept
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=400, top_p=0.5),
+        SamplingParams(max_tokens=1, temperature=0.5, top_p=0.99),
+    ]
+    rows = [_row(p) for p in params]
+    _, processed = sample_next(logits, rows, processed=True)
+    kept = torch.isfinite(processed)
+    assert kept[2].all()
+    for i, p in enumerate(params):
+        if p.top_p >= 1.0:
+            continue
+        row = logits[i] / p.temperature
+        if p.top_k > 0:
+            row = row.masked_fill(row < row.topk(p.top_k).values[-1], float("-inf"))
+        expected, margin = _nucleus_reference(row, p.top_p)
+        differs = kept[i] != expected
+        assert (margin[differs] < 1e-5).all(), f"row {i}: {int(differs.sum())} tokens differ"
+        assert int(expected.sum()) > 0
+    assert int(kept[1].sum()) > 4000  # the flat row needed far more than the first 256 ranked
+    assert int(kept[3].sum()) <= 400
+
+
+def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely() -> None:
+    """min-p masks each token whose probability is under ``min_p`` times the row's largest,
+    at a low temperature too (compared in log space, never through a float32 ``exp``)."""
+    torch.manual_seed(6)
+    logits = torch.randn(3, 2000) * 2
+    params = [
+        SamplingParams(max_tokens=1, temperature=1.0, min_p=0.1),
+        SamplingParams(max_tokens=1, temperature=0.2, min_p=0.05),
+        SamplingParams(max_tokens=1, temperature=1.0, min_p=0.0),
+    ]
+    _, processed = sample_next(logits, [_row(p) for p in params], processed=True)
+    for i, p in enumerate(params):
+        probs = torch.softmax(logits[i].double() / p.temperature, -1)
+        expected = probs >= p.min_p * probs.max()
+        assert torch.equal(torch.isfinite(processed[i]), expected)
+    assert int(torch.isfinite(processed[0]).sum()) < 2000
+
+
+def test_sampler_bench_runs_and_compares_a_copy_of_the_sampler() -> None:
+    """``bench/sampler_bench.py`` at toy size, compared with the sampler's own file: every
+    setting is timed and both copies draw the same tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "sampler_bench.py"),
+            "--rows",
+            "4",
+            "--repeats",
+            "1",
+            "--compare",
+            str(root / "atroposlib" / "inference" / "sampling.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(rows) == 8, done.stdout
+    assert all(line.rstrip().endswith("| yes |") for line in rows), done.stdout
