@@ -81,6 +81,42 @@ def test_memory_sync_serves_the_trainers_weights(shm_server, tiny_model_dir):
     assert not segment.exists()
 
 
+def test_start_lays_out_the_segment_and_serves_the_same_weights(shm_server, tiny_model_dir):
+    """A trainer's start pays for the segment (creating and mapping it) by loading its current
+    weights under the given version: when the server already serves those weights, what it
+    generates does not change, and the first sync reuses the segment."""
+    from atroposlib.backends import weight_sync_client
+
+    trainer, first = _attached_trainer(shm_server.url, tiny_model_dir)
+    try:
+        first.sync(None, policy_version=7)  # the server now serves exactly the trainer's weights
+    finally:
+        first.close()
+    served = _greedy(shm_server.url)
+    client = weight_sync_client("atropos-serve", shm_server.url)
+    client.attach(trainer)
+    try:
+        client.start(str(tiny_model_dir), policy_version=7)
+        assert client._writer is not None and client._writer.path.exists()
+        assert client.last_reply["source"] == "shm" and client.last_reply["policy_version"] == 7
+        assert set(client.last_timings) == {"sync_seconds", "shm_write_seconds", "server_seconds"}
+        assert httpx.get(shm_server.url + "/policy_version").json() == {"policy_version": 7}
+        assert _greedy(shm_server.url) == served
+        segment = client._writer.path
+        client.sync(None, policy_version=8)
+        assert client._writer.path == segment  # the first sync reused it
+        assert httpx.get(shm_server.url + "/policy_version").json() == {"policy_version": 8}
+    finally:
+        client.close()
+    assert not segment.exists()
+    # no version to load the weights under: start only checks the server
+    idle = weight_sync_client("atropos-serve", shm_server.url)
+    idle.attach(trainer)
+    idle.start(None, policy_version=None)
+    assert idle._writer is None
+    idle.close()
+
+
 def test_missing_segment_is_a_400_naming_the_field(shm_server):
     before = httpx.get(shm_server.url + "/policy_version").json()
     reply = httpx.post(
