@@ -28,8 +28,7 @@ from gsm8k_server import BUNDLED_GSM8K, load_rows  # noqa: E402
 
 from atroposlib.inference.engine import GenerationEngine  # noqa: E402
 from atroposlib.inference.sampling import SamplingParams  # noqa: E402
-
-SUFFIX = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
+from example_trainer.recipes import GSM8K_FORMAT_INSTRUCTION  # noqa: E402
 
 
 def gsm8k_prompts(
@@ -45,7 +44,7 @@ def gsm8k_prompts(
     rows = rows[:count] if seed is None else random.Random(seed).sample(rows, count)
     return [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["question"] + SUFFIX}],
+            [{"role": "user", "content": row["question"] + GSM8K_FORMAT_INSTRUCTION}],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,

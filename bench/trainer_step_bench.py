@@ -55,11 +55,11 @@ def _arithmetic_messages(rng):
 
 def _gsm8k_messages(rng):
     from environments.gsm8k_server import BUNDLED_GSM8K, load_rows
+    from example_trainer.recipes import GSM8K_FORMAT_INSTRUCTION
 
     rows = load_rows(BUNDLED_GSM8K, "test")
     # the gsm8k-format recipe's prompt: no system turn, a format instruction after the question
-    suffix = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
-    return [{"role": "user", "content": rng.choice(rows)["question"] + suffix}]
+    return [{"role": "user", "content": rng.choice(rows)["question"] + GSM8K_FORMAT_INSTRUCTION}]
 
 
 TASKS = {

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The gsm8k-format recipe's instruction after each question (the benches that reproduce the
+#: recipe's load use it too).
+GSM8K_FORMAT_INSTRUCTION = "\n\nSolve it step by step. Write the final answer as \\boxed{N}."
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -83,7 +87,7 @@ RECIPES: dict[str, Recipe] = {
         },
         env_args=[
             "env.system_prompt=",
-            "env.prompt_suffix=\n\nSolve it step by step. Write the final answer as \\boxed{N}.",
+            "env.prompt_suffix=" + GSM8K_FORMAT_INSTRUCTION,
             "env.max_answer_tokens=128",
             "env.max_eval_items=200",
             "env.temperature=0.4",
