@@ -285,8 +285,8 @@ def _apply_penalties(scores: torch.Tensor, row: RowState) -> None:
         scores[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
 
 
-#: Candidates ranked first when looking for a top-p nucleus; doubled until the ranked tokens
-#: hold each row's ``top_p`` of the mass.
+#: Tokens ranked first when looking for a top-p nucleus (a row whose nucleus is wider is
+#: sorted in full).
 _NUCLEUS_START = 256
 
 
@@ -296,10 +296,12 @@ def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     included); top-p then keeps, of what top-k left, each token whose mass strictly before it
     (in descending order) is below ``top_p``, so the most likely token always stays.
 
-    The nucleus is found without sorting the whole vocabulary: the most likely tokens are
-    ranked (what top-k kept, or the first 256, doubled until they hold ``top_p`` of every
-    row's mass), and every token after them is cut, since the mass before it is at least
-    that. The ranked tokens' cumulative sums are those a full sort gives.
+    The nucleus is found without sorting the whole vocabulary where it can be: what top-k
+    kept is ranked (only those can stay), or else the 256 most likely tokens; every token
+    after them is cut when they hold ``top_p`` of the row's mass (the mass before such a token
+    is at least that). Only the rows whose nucleus is wider (a flat distribution) are sorted
+    in full. The ranked tokens' cumulative sums are those a full sort gives; tied logits at
+    the boundary may be ranked in another order (as between sorts).
     """
     vocab = scores.shape[-1]
     ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
@@ -311,26 +313,48 @@ def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     if not nucleus:
         return scores
     # rows without top-p (1.0) keep everything, even where the cumulative sum rounds to 1
-    every_row = len(nucleus) == len(top_ps)
     index = torch.tensor(nucleus, dtype=torch.long)
+    every_row = len(nucleus) == len(top_ps)
     part = scores if every_row else scores[index]
     ps = torch.tensor([top_ps[i] for i in nucleus], dtype=torch.float32)[:, None]
-    probs = probabilities(torch.log_softmax(part, dim=-1))
-    # only what top-k kept can stay: never rank more than that
     kept = int(torch.isfinite(part).sum(dim=-1).max())
-    width = min(_NUCLEUS_START, kept)
-    while True:
-        ranked, order = part.topk(width, dim=-1)
-        top = probs.gather(-1, order)
-        cumulative = top.cumsum(dim=-1)
-        if width >= kept or bool((cumulative[:, -1:] >= ps).all()):
-            break
-        width = min(2 * width, kept)
-    cut = (cumulative - top) >= ps
-    ranked = ranked.masked_fill(cut, float("-inf"))
-    masked = torch.full_like(part, float("-inf")).scatter_(-1, order, ranked)
+    if kept <= _NUCLEUS_START:
+        # every token that can stay is ranked: normalise over those alone
+        ranked, order = part.topk(kept, dim=-1)
+        probs = probabilities(torch.log_softmax(ranked, dim=-1))
+        masked = _cut_nucleus(ranked, order, probs, ps, vocab)
+    else:
+        logprobs = torch.log_softmax(part, dim=-1)
+        ranked, order = part.topk(_NUCLEUS_START, dim=-1)
+        top = probabilities(logprobs.gather(-1, order))
+        wide = (top.sum(dim=-1, keepdim=True) < ps)[:, 0]
+        if not bool(wide.any()):
+            masked = _cut_nucleus(ranked, order, top, ps, vocab)
+        else:
+            masked = torch.full_like(part, float("-inf"))
+            narrow = (~wide).nonzero()[:, 0]
+            if len(narrow):
+                masked[narrow] = _cut_nucleus(
+                    ranked[narrow], order[narrow], top[narrow], ps[narrow], vocab
+                )
+            rows = wide.nonzero()[:, 0]
+            ranked, order = part[rows].sort(dim=-1, descending=True)
+            top = probabilities(logprobs[rows].gather(-1, order))
+            masked[rows] = _cut_nucleus(ranked, order, top, ps[rows], vocab)
     if every_row:
         return masked
     scores = scores.clone()
     scores[index] = masked
     return scores
+
+
+def _cut_nucleus(
+    ranked: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, ps: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """Rows of ``vocab`` logits holding ``ranked`` (logits in descending order, at ``order``)
+    where the mass before a token (``probs``, the ranked tokens' probabilities) is below
+    ``ps``, and -inf everywhere else."""
+    cut = (probs.cumsum(dim=-1) - probs) >= ps
+    kept = ranked.masked_fill(cut, float("-inf"))
+    masked = torch.full((ranked.shape[0], vocab), float("-inf"), dtype=ranked.dtype)
+    return masked.scatter_(-1, order, kept)

@@ -176,6 +176,16 @@ def test_top_p_nucleus_without_sorting_the_vocabulary() -> None:
         assert int(expected.sum()) > 0
     assert int(kept[1].sum()) > 4000  # the flat row needed far more than the first 256 ranked
     assert int(kept[3].sum()) <= 400
+    # every row with a small top-k: only those tokens are ranked and normalised
+    small = [SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=p) for p in (0.3, 0.9)]
+    _, processed = sample_next(logits[1:3], [_row(p) for p in small], processed=True)
+    for i, p in enumerate(small):
+        row = logits[1 + i]
+        row = row.masked_fill(row < row.topk(50).values[-1], float("-inf"))
+        expected, margin = _nucleus_reference(row, p.top_p)
+        differs = torch.isfinite(processed[i]) != expected
+        assert (margin[differs] < 1e-5).all()
+        assert 0 < int(expected.sum()) <= 50
 
 
 def test_min_p_keeps_tokens_at_least_min_p_of_the_most_likely() -> None:
