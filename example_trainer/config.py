@@ -244,7 +244,9 @@ class TrainingConfig(BaseModel):
         "model in place (POST /load_weights_from_shm; no checkpoint written for the sync; "
         "same machine only; the segment, a model's size of RAM, is deleted when the trainer "
         "ends, or by the next trainer if it was killed; a /dev/shm too small is an error "
-        "at the first sync, with the fix). disk: the trainer writes a checkpoint folder each "
+        "when the trainer starts, with the fix: the start creates and maps the segment and "
+        "loads the trainer's weights through it once). disk: the trainer writes a "
+        "checkpoint folder each "
         "sync and the server reloads it (POST /reload_weights; for a server on another "
         "machine that sees the trainer's folder).",
     )
