@@ -327,17 +327,10 @@ def _top_k_top_p(scores: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
         logprobs = torch.log_softmax(part, dim=-1)
         ranked, order = part.topk(_NUCLEUS_START, dim=-1)
         top = probabilities(logprobs.gather(-1, order))
-        wide = (top.sum(dim=-1, keepdim=True) < ps)[:, 0]
-        if not bool(wide.any()):
-            masked = _cut_nucleus(ranked, order, top, ps, vocab)
-        else:
-            masked = torch.full_like(part, float("-inf"))
-            narrow = (~wide).nonzero()[:, 0]
-            if len(narrow):
-                masked[narrow] = _cut_nucleus(
-                    ranked[narrow], order[narrow], top[narrow], ps[narrow], vocab
-                )
-            rows = wide.nonzero()[:, 0]
+        masked = _cut_nucleus(ranked, order, top, ps, vocab)
+        # rows whose 256 most likely tokens hold less than top_p: sorted in full instead
+        rows = (top.sum(dim=-1, keepdim=True) < ps)[:, 0].nonzero()[:, 0]
+        if len(rows):
             ranked, order = part[rows].sort(dim=-1, descending=True)
             top = probabilities(logprobs[rows].gather(-1, order))
             masked[rows] = _cut_nucleus(ranked, order, top, ps[rows], vocab)
