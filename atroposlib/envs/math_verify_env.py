@@ -15,10 +15,11 @@ what the gold answer of a row is (``gold_for``); it may show worked examples
 
 from __future__ import annotations
 
+import asyncio
 import random
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atroposlib.envs.base import BaseEnv, ScoredDataGroup
 from atroposlib.envs.config import LocalEnvConfig
@@ -82,6 +83,17 @@ class MathVerifyEnvConfig(LocalEnvConfig):
     eval_temperature: float = Field(
         default=0.0, ge=0.0, description="Sampling temperature for evaluate()"
     )
+    temperatures: list[Annotated[float, Field(ge=0.0)]] | None = Field(
+        default=None,
+        min_length=1,
+        description="Sample each training group at several temperatures: group_size split "
+        "evenly among them, in order (e.g. [0.3, 0.5]: half the replies at each; 0 is "
+        "greedy). Each reply is sent with its own temperature (the group's overrides), so the "
+        "trainer scales its logits by it. A low temperature samples the loops a greedy "
+        "evaluation falls into, a higher one keeps groups scoring differently. Replaces "
+        "temperature; not with final_temperature. Not in the gsm8k-format recipe: [0.3, 0.5] "
+        "took one seed over the bar and left two under it (example_trainer/README.md)",
+    )
     min_completion_tokens: int = Field(
         default=10, ge=0, description="Drop completions with fewer trainable tokens (upstream: 10)"
     )
@@ -100,6 +112,13 @@ class MathVerifyEnvConfig(LocalEnvConfig):
         default=None,
         ge=1,
         description="Generation budget per reply (tokens); default: max_token_length (upstream)",
+    )
+    eval_max_answer_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generation budget of evaluate()'s replies; default: max_answer_tokens "
+        "(the training budget). Not in the gsm8k-format recipe: training at 96 tokens for a "
+        "128-token evaluation stalled there (example_trainer/README.md)",
     )
     format_reward: float = Field(
         default=0.0,
@@ -134,6 +153,15 @@ class MathVerifyEnvConfig(LocalEnvConfig):
         "shortest solutions of the train split, ending in \\boxed{N} (never asked themselves)",
     )
     seed: int = Field(default=42, description="Shuffle seed of the training set")
+
+    @model_validator(mode="after")
+    def _one_temperature_schedule(self) -> MathVerifyEnvConfig:
+        if self.temperatures is not None and self.final_temperature is not None:
+            raise ValueError(
+                "temperatures and final_temperature both set: a group is sampled at the listed "
+                "temperatures or at one annealed temperature, not both"
+            )
+        return self
 
 
 class MathVerifyEnv(BaseEnv):
@@ -193,8 +221,13 @@ class MathVerifyEnv(BaseEnv):
 
     @property
     def budget(self) -> int:
-        """Tokens a reply may have."""
+        """Tokens a training reply may have."""
         return self.config.max_answer_tokens or self.config.max_token_length
+
+    @property
+    def eval_budget(self) -> int:
+        """Tokens an evaluation reply may have."""
+        return self.config.eval_max_answer_tokens or self.budget
 
     def messages_for(self, question: str) -> list[dict[str, str]]:
         """The chat sent to the model: system prompt, worked examples, the question (with
@@ -214,17 +247,17 @@ class MathVerifyEnv(BaseEnv):
     async def collect_trajectories(
         self, item: dict[str, Any]
     ) -> tuple[ScoredDataGroup | None, list]:
-        temperature = self.sampling_temperature()
-        self.log_train_metric("train/temperature", temperature)
-        samples = await sample_chat_group(
-            self,
-            self.messages_for(item["question"]),
-            n=self.config.group_size,
-            max_tokens=self.budget,
-            temperature=temperature,
-        )
+        messages = self.messages_for(item["question"])
+        draws = [
+            sample_chat_group(
+                self, messages, n=count, max_tokens=self.budget, temperature=temperature
+            )
+            for temperature, count in self.group_temperatures()
+        ]
+        samples = [sample for drawn in await asyncio.gather(*draws) for sample in drawn]
         # each sample records the temperature it was drawn at (Sample.generation_params), and
-        # the group carries it, so the trainer scales its logits by it
+        # the group carries it (per sequence when they differ), so the trainer scales its
+        # logits by it
         return self.score_samples(samples, self.gold_for(item)), []
 
     def sampling_temperature(self) -> float:
@@ -235,6 +268,21 @@ class MathVerifyEnv(BaseEnv):
             return cfg.temperature
         done = min(1.0, max(0, self.curr_step) / max(1, cfg.total_steps - 1))
         return cfg.temperature + (cfg.final_temperature - cfg.temperature) * done
+
+    def group_temperatures(self) -> list[tuple[float, int]]:
+        """``(temperature, replies)`` pairs a training group is sampled as: ``temperatures``
+        sharing ``group_size`` evenly (the first ones take the remainder), or
+        ``group_size`` replies at :meth:`sampling_temperature`. Logs ``train/temperature``
+        (the mean over the group's replies)."""
+        size = self.config.group_size
+        if self.config.temperatures is None:
+            pairs = [(self.sampling_temperature(), size)]
+        else:
+            share, extra = divmod(size, len(self.config.temperatures))
+            pairs = [(t, share + (i < extra)) for i, t in enumerate(self.config.temperatures)]
+            pairs = [(t, n) for t, n in pairs if n > 0]
+        self.log_train_metric("train/temperature", sum(t * n for t, n in pairs) / max(1, size))
+        return pairs
 
     def _score_sample(self, sample: Sample, gold_parsed: Any) -> float:
         """1 for the right answer, -1 otherwise, plus format credit for a reply of enough
@@ -284,7 +332,7 @@ class MathVerifyEnv(BaseEnv):
         """One greedy answer to a test question, scored 1/0."""
         messages = self.messages_for(question)
         text, finish = await eval_completion(
-            self, messages, self.budget, self.config.eval_temperature
+            self, messages, self.eval_budget, self.config.eval_temperature
         )
         parsed = math_scoring.parse_response(text)
         correct = math_scoring.verify_answer(parsed, math_scoring.parse_gold(gold))
@@ -318,6 +366,6 @@ class MathVerifyEnv(BaseEnv):
             self.summarize_eval,
             generation_parameters={
                 "temperature": self.config.eval_temperature,
-                "max_tokens": self.budget,
+                "max_tokens": self.eval_budget,
             },
         )

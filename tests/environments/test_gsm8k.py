@@ -285,3 +285,149 @@ def test_process_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) ->
     # sampled at the env's temperature, as each group tells the trainer
     assert all(g["generation_params"] == {"temperature": 1.0} for g in groups)
     assert groups[0]["messages"][0][0]["role"] == "system"
+
+
+def test_group_temperatures_share_the_group(gsm8k_env) -> None:
+    cfg = gsm8k_env.config
+    cfg.temperature, cfg.group_size = 0.4, 16
+    assert gsm8k_env.group_temperatures() == [(0.4, 16)]
+    cfg.temperatures = [0.3, 0.5]
+    assert gsm8k_env.group_temperatures() == [(0.3, 8), (0.5, 8)]
+    cfg.temperatures = [0.2, 0.4, 0.6]  # the first ones take the remainder
+    assert gsm8k_env.group_temperatures() == [(0.2, 6), (0.4, 5), (0.6, 5)]
+    cfg.group_size, cfg.temperatures = 2, [0.3, 0.5, 0.7]  # more temperatures than replies
+    assert gsm8k_env.group_temperatures() == [(0.3, 1), (0.5, 1)]
+    logged = gsm8k_env._wandb_logging.train_metrics["train/temperature"]
+    assert logged[-1] == pytest.approx(0.4)
+
+
+def test_temperatures_and_final_temperature_are_refused(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "environments" / "gsm8k_server.py"),
+            "process",
+            "--env.temperatures",
+            "0.3",
+            "0.5",
+            "--env.final_temperature",
+            "0.2",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "temperatures and final_temperature both set" in proc.stderr
+
+
+@pytest.mark.slow
+def test_process_samples_a_group_at_several_temperatures(
+    tiny_serve, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--env.temperatures 1.0 0``: two replies sampled, one greedy, and the group says which
+    per sequence, so the trainer scores each as drawn (temperature 0 counts as 1 there)."""
+    import httpx
+
+    from atroposlib.trainer import rows_from_batch, sample_temperature
+
+    groups = run_process(
+        "gsm8k_server.py",
+        tmp_path,
+        tiny_serve,
+        tiny_model_dir,
+        "--env.total_steps",
+        "2",
+        "--env.group_size",
+        "3",
+        "--env.max_token_length",
+        "32",
+        "--env.temperatures",
+        "1.0",
+        "0",
+        "--env.min_completion_tokens",
+        "0",
+    )
+    assert len(groups) == 2
+    assert_valid_groups(groups, 3)
+    for group in groups:
+        assert "generation_params" not in group
+        assert [sample_temperature(group, i) for i in range(3)] == [1.0, 1.0, 0.0]
+        # the greedy reply is what the server answers a greedy request for the same chat
+        chat = group["messages"][2]
+        reply = httpx.post(
+            tiny_serve.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": chat[:-1], "temperature": 0, "max_tokens": 32},
+            timeout=60,
+        ).json()["choices"][0]["message"]["content"]
+        assert reply == chat[-1]["content"]
+    rows = rows_from_batch(groups)
+    assert [row.temperature for row in rows] == [1.0, 1.0, 0.0] * 2
+
+
+@pytest.mark.slow
+def test_evaluation_budget_apart_from_training(
+    tiny_serve, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--env.eval_max_answer_tokens``: evaluate() replies get their own budget; training
+    replies keep ``max_answer_tokens``."""
+    budget = ["--env.max_answer_tokens", "4", "--env.eval_max_answer_tokens", "16"]
+    groups = run_process(
+        "gsm8k_server.py",
+        tmp_path,
+        tiny_serve,
+        tiny_model_dir,
+        "--env.total_steps",
+        "1",
+        "--env.group_size",
+        "2",
+        "--env.min_completion_tokens",
+        "0",
+        *budget,
+    )
+    replies = [sum(m != -100 for m in masks) for g in groups for masks in g["masks"]]
+    assert replies and max(replies) <= 4
+    out = tmp_path / "evals"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "environments" / "gsm8k_server.py"),
+            "evaluate",
+            "--env.use_wandb",
+            "false",
+            "--env.max_eval_items",
+            "3",
+            "--env.data_dir_to_save_evals",
+            str(out),
+            "--env.tokenizer_name",
+            str(tiny_model_dir),
+            "--openai.base_url",
+            tiny_serve.url + "/v1",
+            "--openai.model_name",
+            "tiny",
+            "--openai.tokenizer_name",
+            str(tiny_model_dir),
+            *budget,
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config_general"]["generation_parameters"]["max_tokens"] == 16
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3
+    # the random tiny model rarely stops early: its replies run past the training budget
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = [
+        len(tokenizer(s["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+        for s in samples
+    ]
+    assert max(lengths) > 4, lengths
