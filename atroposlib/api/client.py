@@ -31,9 +31,11 @@ viewer (``view-run``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -53,6 +55,19 @@ WAIT_HEADER = "X-Atropos-Wait"
 #: Headers of a long poll that ended without a batch: sequences queued / held as parts.
 QUEUED_HEADER = "X-Atropos-Queued-Sequences"
 HELD_HEADER = "X-Atropos-Held-Sequences"
+#: Header of a long-polled answer: groups the envs dropped before sending, by reason (JSON).
+ENV_DROPPED_HEADER = "X-Atropos-Env-Dropped-Groups"
+#: What an env's drop reason (``BaseEnv.drop_counts``) means, for the waiting message.
+DROP_REASONS = {
+    "same_scores": "all replies scored alike, no learning signal",
+    "too_long": "a sequence over max_token_len",
+    "group_size": "fewer sequences than the group size",
+    "error": "the rollout raised",
+    "timeout": "the rollout timed out",
+    "malformed": "not a valid group",
+    "refused": "run-api refused them",
+    "send_failed": "sending failed",
+}
 #: Default seconds one long-polled ``GET /batch`` may wait (run-api accepts up to 30).
 LONG_POLL_S = 10.0
 
@@ -96,6 +111,10 @@ class TrainerClient:
         self.long_poll_supported: bool | None = None
         #: sequences queued and held by run-api when its last long poll ended without a batch
         self.last_fill: tuple[int, int] | None = None
+        #: groups the envs dropped before sending, by reason (run-api's last long poll), and
+        #: the same when the last batch came: what a wait is spent on
+        self.env_dropped: Counter[str] = Counter()
+        self._env_dropped_at_batch: Counter[str] = Counter()
         self.ack = ack
         self.rank = int(os.environ.get("RANK", "0") or 0) if rank is None else rank
         #: the uuid of this client's ``/register``, sent as ``consumer`` with each ``/batch``
@@ -277,12 +296,21 @@ class TrainerClient:
                     "run-api does not long-poll /batch (an upstream server?): polling instead"
                 )
         reply = response.json()
+        dropped = response.headers.get(ENV_DROPPED_HEADER)
+        if dropped is not None:
+            try:
+                self.env_dropped = Counter(
+                    {str(k): int(v) for k, v in dict(json.loads(dropped)).items()}
+                )
+            except (ValueError, TypeError):
+                logger.debug("/batch: unreadable %s header: %r", ENV_DROPPED_HEADER, dropped)
         if not reply.get("batch"):
             queued = response.headers.get(QUEUED_HEADER)
             held = response.headers.get(HELD_HEADER)
             if queued is not None and held is not None:
                 self.last_fill = (int(queued), int(held))
             return None
+        self._env_dropped_at_batch = Counter(self.env_dropped)
         step = response.headers.get(STEP_HEADER)
         if step is not None:
             self.last_step = int(step)
@@ -332,8 +360,8 @@ class TrainerClient:
                 return batch
             if deadline is not None and now > deadline:
                 raise TrajectoryAPIError(
-                    f"no batch from {self.url}/batch within {timeout:.0f} s; are environments "
-                    "running and sending data?"
+                    f"no batch from {self.url}/batch within {timeout:.0f} s: waited for "
+                    + self._waits_for()
                 )
             if now - reported >= max(self.long_poll, poll, 10.0):
                 reported = now
@@ -345,6 +373,20 @@ class TrainerClient:
     def _waits_for(self) -> str:
         """What a waiting :meth:`get_batch` waits for, as far as run-api said."""
         size = (self._registration or {}).get("batch_size", "?")
+        dropped = self.env_dropped - self._env_dropped_at_batch
+        if dropped:
+            reasons = ", ".join(
+                f"{count} {reason} ({DROP_REASONS[reason]})"
+                if reason in DROP_REASONS
+                else f"{count} {reason}"
+                for reason, count in dropped.most_common()
+            )
+            why = (
+                f"; since the last batch the envs dropped {dropped.total()} group(s) before "
+                f"sending them: {reasons}"
+            )
+        else:
+            why = " (are environments running and sending data?)"
         if self.long_poll_supported and self.last_fill is not None:
             queued, held = self.last_fill
             if isinstance(size, int) and queued >= size:
@@ -352,12 +394,13 @@ class TrainerClient:
                     f"a batch of {size} sequences; run-api has {queued} queued, but no set of "
                     f"whole queued groups adds up to exactly {size} sequences yet (or an env's "
                     "minimum batch allocation holds batches back); waiting for more groups"
+                    + (why if dropped else "")
                 )
             return (
                 f"a batch of {size} sequences; run-api has {queued} queued and {held} held as "
-                "parts of groups (are environments running and sending data?)"
+                f"parts of groups{why}"
             )
-        return f"a batch of {size} sequences (are environments running and sending data?)"
+        return f"a batch of {size} sequences{why}"
 
     def status(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
         """``GET /status``: ``{"current_step", "queue_size"}``."""

@@ -38,11 +38,22 @@ class QueueCounters:
     versions_ahead: int = 0
     accepted_by_env: Counter[str] = field(default_factory=Counter)
     served_by_env: Counter[str] = field(default_factory=Counter)
+    #: groups each env dropped before sending, by reason, as the env last reported them with
+    #: ``/status-env`` (its running totals; not in upstream)
+    env_dropped_by_env: dict[str, Counter[str]] = field(default_factory=dict)
 
     def new_run(self) -> None:
         """Zero the per-env counters (``/reset_data``)."""
         self.accepted_by_env = Counter()
         self.served_by_env = Counter()
+        self.env_dropped_by_env = {}
+
+    def env_dropped(self) -> Counter[str]:
+        """Groups the envs dropped before sending, by reason, summed over the envs."""
+        total: Counter[str] = Counter()
+        for counts in self.env_dropped_by_env.values():
+            total.update(counts)
+        return total
 
     def count_accepted(self, env_id: int | None, sequences: int) -> None:
         """One group accepted."""
@@ -65,6 +76,7 @@ class QueueCounters:
             "accepted_sequences": self.accepted["sequences"],
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),
+            "env_dropped": dict(self.env_dropped()),
             "partial_groups": dict(self.partial_outcomes),
             "batches_served": self.batches_served,
             "groups_served": self.groups_served,
@@ -197,6 +209,17 @@ def prometheus_text(m: dict[str, Any]) -> str:
         "counter",
         "Groups handed out per env.",
         [(lbl, e["served_groups"]) for lbl, e in env_samples],
+    )
+    metric(
+        "env_dropped_before_send_total",
+        "counter",
+        "Groups an env dropped before sending them, by reason (e.g. same_scores: all replies "
+        "scored alike), as the env reports them with /status-env.",
+        [
+            (f'{lbl[:-1]},reason="{_label(reason)}"}}', count)
+            for lbl, e in env_samples
+            for reason, count in sorted(e.get("dropped_before_send", {}).items())
+        ],
     )
     evals = m.get("evals") or []
     if evals:

@@ -532,6 +532,18 @@ class TrajectoryQueue:
                 "env_weight": self.registry.env_weight(env_id),
             }
 
+    def report_env_drops(self, env_id: int, counts: dict[str, int]) -> None:
+        """Record what env ``env_id`` says it dropped before sending, by reason (its running
+        totals, sent with ``/status-env``): a trainer waiting for a batch learns why none
+        comes, although the envs are running."""
+        with self._lock:
+            self.counters.env_dropped_by_env[str(env_id)] = Counter(counts)
+
+    def env_dropped(self) -> Counter[str]:
+        """Groups the envs reported dropping before sending, by reason, summed."""
+        with self._lock:
+            return self.counters.env_dropped()
+
     def latest_example(self) -> bytes | None:
         """Serialised last group that entered the queue (``None`` before any did)."""
         return self._latest
@@ -974,6 +986,9 @@ class TrajectoryQueue:
                         "buffered_sequences": self._partials.held_sequences(e["registered_id"]),
                         "accepted_groups": counters.accepted_by_env.get(str(e["registered_id"]), 0),
                         "served_groups": counters.served_by_env.get(str(e["registered_id"]), 0),
+                        "dropped_before_send": dict(
+                            counters.env_dropped_by_env.get(str(e["registered_id"]), {})
+                        ),
                     }
                     for e in self.registry
                 ],

@@ -146,9 +146,16 @@ class Registration:
         ``status_dict``, the worker cap and the env's inference weight."""
         env = self.env
         env_id = self.env_id
+        body: dict[str, Any] = {"env_id": env_id}
+        drops = {reason: count for reason, count in env.drop_counts.items() if count}
+        if drops:
+            # not in upstream (its API ignores the key): the groups this env dropped before
+            # sending, by reason, so that a trainer waiting on run-api can say why nothing
+            # comes (e.g. every group scored alike)
+            body["dropped"] = drops
         try:
             status = await env.api.request_json_patiently(
-                "GET", "/status-env", {"env_id": env_id}, what="/status-env"
+                "GET", "/status-env", body, what="/status-env"
             )
         except UnknownEnvError:
             await self.reregister(env_id)

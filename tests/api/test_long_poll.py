@@ -7,6 +7,7 @@ absolute latencies."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atroposlib.api.client import TrainerClient
+from atroposlib.api.client import TrainerClient, TrajectoryAPIError
 from tests.api.helpers import add_env, group, start_run, tags
 from tests.api.test_partial_groups import PROMPT_A, PROMPT_B, answers, outcomes, prompt_of
 
@@ -317,3 +318,57 @@ def test_a_waiting_trainer_says_when_the_queue_cannot_make_a_batch(api: httpx.Cl
         assert "46 queued" in waiting and "adds up to exactly 32" in waiting, waiting
         api.post("/scored_data", json=group(16, env_id=env, tag=3))
         assert tags(client.get_batch(timeout=30)) == [0, 3]
+
+
+def test_a_waiting_trainer_says_what_the_envs_dropped(api: httpx.Client) -> None:
+    """Envs that drop every group (all replies scored alike) send nothing; they report their
+    drop counts with /status-env, run-api passes the sum on with each long poll, and the
+    client's waiting line and timeout say what was dropped since the last batch instead of
+    asking whether envs are running."""
+    with TrainerClient(str(api.base_url), api_key="", long_poll=0.2) as client:
+        client.register(batch_size=2, max_token_len=64, num_steps=5)
+        assert client.try_batch() is None  # opens env registration
+        a, b = add_env(api, group_size=2), add_env(api, group_size=2)
+        assert client.try_batch(wait=0.1) is None
+        assert "are environments running" in client._waits_for()
+        api.post("/status-env", json={"env_id": a, "dropped": {"same_scores": 5}})
+        api.post("/status-env", json={"env_id": b, "dropped": {"same_scores": 2, "too_long": 1}})
+        response = api.get("/batch", params={"wait": 0.1})
+        assert json.loads(response.headers["X-Atropos-Env-Dropped-Groups"]) == {
+            "same_scores": 7,
+            "too_long": 1,
+        }
+        with pytest.raises(TrajectoryAPIError) as err:
+            client.get_batch(timeout=0.5)
+        message = str(err.value)
+        assert "the envs dropped 8 group(s) before sending them" in message, message
+        assert "7 same_scores (all replies scored alike, no learning signal)" in message
+        assert "are environments running" not in message
+        # a batch resets the count: what was dropped since then is what a wait is spent on
+        api.post("/scored_data", json=group(2, env_id=a, tag=1))
+        assert tags(client.get_batch(timeout=30)) == [1]
+        assert "are environments running" in client._waits_for()
+        api.post("/status-env", json={"env_id": a, "dropped": {"same_scores": 9}})
+        assert client.try_batch(wait=0.1) is None
+        assert "dropped 4 group(s)" in client._waits_for()
+        # per env, by reason, in /metrics
+        metrics = api.get("/metrics", params={"format": "json"}).json()
+        assert metrics["env_dropped"] == {"same_scores": 11, "too_long": 1}
+        by_env = {e["env_id"]: e["dropped_before_send"] for e in metrics["envs"]}
+        assert by_env == {a: {"same_scores": 9}, b: {"same_scores": 2, "too_long": 1}}
+        text = api.get("/metrics").text
+        assert f'atropos_env_dropped_before_send_total{{env_id="{a}",' in text
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    [{"same_scores": -1}, {"same_scores": "5"}, {"same_scores": 1.5}, ["same_scores"], 3],
+)
+def test_bad_drop_counts_are_refused_naming_the_field(api: httpx.Client, dropped: Any) -> None:
+    start_run(api, batch_size=2)
+    env = add_env(api, group_size=2)
+    response = api.post("/status-env", json={"env_id": env, "dropped": dropped})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][-1] == "dropped"
+    # upstream's body, without the key, still works
+    assert api.post("/status-env", json={"env_id": env}).status_code == 200

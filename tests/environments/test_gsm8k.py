@@ -431,3 +431,59 @@ def test_evaluation_budget_apart_from_training(
         for s in samples
     ]
     assert max(lengths) > 4, lengths
+
+
+@pytest.mark.slow
+def test_serve_reports_flat_groups_to_run_api(
+    start_api, tiny_serve, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The random tiny model never boxes an answer: every group scores -1 throughout and is
+    dropped before sending (ensure_scores_are_not_same). The env says so with /status-env, so
+    run-api's /metrics and a waiting trainer see why no batch comes."""
+    import httpx
+
+    from atroposlib.api.client import TrainerClient, TrajectoryAPIError
+    from tests.envs.helpers import start_env, stop
+
+    api = start_api()
+    with TrainerClient(api.url, api_key="", long_poll=0.5) as client:
+        client.register(batch_size=4, max_token_len=512, num_steps=2)
+        assert client.try_batch() is None  # opens env registration
+        proc = start_env(
+            str(REPO / "environments" / "gsm8k_server.py"),
+            "serve",
+            "--env.rollout_server_url",
+            api.url,
+            "--openai.base_url",
+            f"{tiny_serve.url}/v1",
+            "--openai.model_name",
+            "tiny",
+            "--openai.tokenizer_name",
+            str(tiny_model_dir),
+            "--env.tokenizer_name",
+            str(tiny_model_dir),
+            "--env.use_wandb",
+            "false",
+            "--env.group_size",
+            "2",
+            "--env.max_token_length",
+            "16",
+            "--env.min_completion_tokens",
+            "0",
+            "--env.ensure_scores_are_not_same",
+            "true",
+            log=tmp_path / "env.log",
+        )
+        try:
+            deadline = time.monotonic() + 120
+            dropped: dict = {}
+            while time.monotonic() < deadline and dropped.get("same_scores", 0) < 2:
+                time.sleep(1.0)
+                metrics = httpx.get(f"{api.url}/metrics", params={"format": "json"}).json()
+                dropped = metrics["env_dropped"]
+            assert dropped.get("same_scores", 0) >= 2, (tmp_path / "env.log").read_text()[-3000:]
+            assert metrics["accepted_groups"] == 0
+            with pytest.raises(TrajectoryAPIError, match=r"same_scores \(all replies scored"):
+                client.get_batch(timeout=1.5)
+        finally:
+            stop(proc)

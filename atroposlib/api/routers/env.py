@@ -52,6 +52,7 @@ async def status_env(request: Request, state: State, queue: Queue) -> Any:
     """Per-env queue view. ``env_id`` from ``?env_id=`` or a JSON body (GET or POST). Carries
     ``eval_request`` (not in upstream) while the env has a pinned evaluation to answer."""
     env_id: Any = request.query_params.get("env_id")
+    dropped: Any = None
     if env_id is None:
         raw = await request.body()
         if not raw:
@@ -60,12 +61,16 @@ async def status_env(request: Request, state: State, queue: Queue) -> Any:
         if not isinstance(data, dict) or "env_id" not in data:
             raise bad_param("env_id is required", "env_id", "missing")
         env_id = data["env_id"]
+        dropped = data.get("dropped")
     try:
         env_id = EnvIdentifier.model_validate({"env_id": env_id}).env_id
     except ValidationError:
         raise bad_param("env_id must be an integer", "env_id", "int_parsing") from None
+    drops = None if dropped is None else _drop_counts(dropped)
     try:
         reply = queue.status_env(env_id)
+        if drops is not None:
+            queue.report_env_drops(env_id, drops)
     except UnknownEnv as exc:  # the env addressed does not exist: 404, not a refusal
         where = "query" if "env_id" in request.query_params else "body"
         detail = [{"loc": [where, "env_id"], "msg": str(exc), "type": "unknown_env"}]
@@ -133,3 +138,23 @@ async def scored_data(request: Request, state: State) -> Response:
 async def scored_data_list(request: Request, state: State) -> Response:
     """Queue several scored groups at once (all or none)."""
     return await ingest(state, await request.body(), many=True)
+
+
+def _drop_counts(value: Any) -> dict[str, int]:
+    """``/status-env``'s optional ``dropped`` (not in upstream): the groups the env dropped
+    before sending, ``{reason: count}`` (its running totals); 422 naming ``dropped``."""
+    if (
+        isinstance(value, dict)
+        and len(value) <= 64
+        and all(
+            isinstance(k, str) and len(k) <= 64 and type(v) is int and 0 <= v < 2**63
+            for k, v in value.items()
+        )
+    ):
+        return dict(value)
+    raise bad_param(
+        "dropped must be an object of up to 64 reasons (names up to 64 characters) with "
+        'non-negative integer counts, e.g. {"same_scores": 12}',
+        "dropped",
+        "value_error",
+    )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -45,6 +46,10 @@ WAIT_HEADER = "X-Atropos-Wait"
 #: groups, when it gave up (what the trainer waits for, against its ``batch_size``).
 QUEUED_HEADER = "X-Atropos-Queued-Sequences"
 HELD_HEADER = "X-Atropos-Held-Sequences"
+#: Header of every long-polled ``/batch`` answer: the groups the envs dropped before sending,
+#: by reason, as JSON (``{"same_scores": 312}``; the envs' running totals from ``/status-env``),
+#: so that a trainer waiting on envs that send nothing can say why.
+ENV_DROPPED_HEADER = "X-Atropos-Env-Dropped-Groups"
 
 
 def parse_wait(raw: str | None) -> float | None:
@@ -102,7 +107,11 @@ async def batch(
         result = await _long_poll(request, state, take, waited)
         if result is None:  # the client left while it waited: nothing handed out
             return Response(status_code=204)
-    extra = {} if waited is None else {WAIT_HEADER: f"{waited:g}"}
+    extra = {}
+    if waited is not None:
+        extra[WAIT_HEADER] = f"{waited:g}"
+        # ASCII JSON (reason names come from envs): a header value must be Latin-1
+        extra[ENV_DROPPED_HEADER] = json.dumps(dict(queue.env_dropped()), separators=(",", ":"))
     if isinstance(result, dict):
         if waited and result.get("batch", False) is None:
             queued, held, _ = queue.fill()
