@@ -325,6 +325,7 @@ def test_metrics(api: httpx.Client) -> None:
             "buffered_sequences": 0,
             "accepted_groups": 1,
             "served_groups": 1,
+            "dropped_before_send": {},
         }
     ]
     assert api.get("/metrics", params={"format": "xml"}).status_code == 422
