@@ -547,12 +547,14 @@ def _queue_report(api_url: str, out: Path) -> str:
     (out / "run-api-metrics.json").write_text(json.dumps(m, indent=2) + "\n")
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(m.get("dropped", {}).items())) or "none"
     partial = ", ".join(f"{k} {v}" for k, v in sorted(m.get("partial_groups", {}).items()))
+    before = ", ".join(f"{k} {v}" for k, v in sorted(m.get("env_dropped", {}).items()))
     return (
         f"run-api: {m.get('accepted_groups', 0)} groups accepted, "
         f"{m.get('groups_served', 0)} served in {m.get('batches_served', 0)} batches, "
         f"{m.get('queue_groups', 0)} still queued, {m.get('buffered_groups', 0)} held as parts "
         f"of a group ({m.get('buffered_sequences', 0)} sequences), dropped: {dropped}"
         + (f"; parts of one prompt's group: {partial}" if partial else "")
+        + (f"; dropped by the env before sending: {before}" if before else "")
         + f" ({out / 'run-api-metrics.json'})"
     )
 

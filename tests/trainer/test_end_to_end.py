@@ -464,6 +464,11 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     for name in ("run-api.log", "atropos-serve.log", "env.log", "evaluator.log"):
         assert (out / "logs" / name).is_file()
     assert f"Everything is in {out}" in output and "rollouts.html" in output
+    # what became of every group: run-api's counters, with what the env dropped before sending
+    queue = json.loads((out / "run-api-metrics.json").read_text())
+    assert f"run-api: {queue['accepted_groups']} groups accepted" in output
+    for reason, count in queue["env_dropped"].items():
+        assert "dropped by the env before sending: " in output and f"{reason} {count}" in output
     # stopped before the quickstart exits
     workers = _procs_mentioning("example_trainer.eval_worker")
     assert not [c for c in workers if f"127.0.0.1:{inf_port}/" in c], workers
