@@ -450,6 +450,7 @@ def run(args: QuickstartOptions) -> int:
     started = time.monotonic()
     final = None
     env_started = False
+    completed = False
     try:
         launched.start_services()  # run-api and atropos-serve, each answering /health
 
@@ -492,6 +493,7 @@ def run(args: QuickstartOptions) -> int:
         else:
             final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
         final = _publish_final(final, out)
+        completed = True
     except KeyboardInterrupt:
         if failed:
             print(f"\natropos-quickstart: stopped: {failed[0]}", file=sys.stderr)
@@ -526,7 +528,9 @@ def run(args: QuickstartOptions) -> int:
         queue_line = _queue_report(api_url, out)
         evaluator.close()
         launched.stop()
-        _summary(out, rollouts, checkpoints, final, logs, time.monotonic() - started, args)
+        _summary(
+            out, rollouts, checkpoints, final, logs, time.monotonic() - started, args, completed
+        )
         if queue_line:
             print(queue_line)
     return 0
@@ -691,9 +695,17 @@ def _summary(
     logs: Path,
     seconds: float,
     args: QuickstartOptions,
+    completed: bool = True,
 ) -> None:
-    """Render the rollouts as HTML, the curves and the table, and print where everything is."""
-    lines = [f"\natropos-quickstart finished in {seconds:.0f} s. Everything is in {out}:"]
+    """Render the rollouts as HTML, the curves and the table, and print where everything is
+    (``completed`` False: the run stopped early, on the error printed above)."""
+    if completed:
+        lines = [f"\natropos-quickstart finished in {seconds:.0f} s. Everything is in {out}:"]
+    else:
+        lines = [
+            f"\natropos-quickstart stopped after {seconds:.0f} s (see the error above). What "
+            f"it wrote is in {out}:"
+        ]
     for jsonl in sorted(out.glob("rollouts*.jsonl")):
         try:
             from atroposlib.frontend.jsonl2html import generate_html

@@ -491,6 +491,8 @@ def test_quickstart_ctrl_c_stops_every_child(tmp_path: Path, tiny_model_dir: Pat
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
+    # the closing summary says the run stopped early, not that it finished
+    assert "atropos-quickstart stopped after" in output and "finished in" not in output
     for port in (api_port, inf_port):
         assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
     assert not _wait_gone(str(tmp_path / "out"))
