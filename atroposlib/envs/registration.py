@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from atroposlib.envs.sending import UnknownEnvError
@@ -147,7 +148,13 @@ class Registration:
         env = self.env
         env_id = self.env_id
         body: dict[str, Any] = {"env_id": env_id}
-        drops = {reason: count for reason, count in env.drop_counts.items() if count}
+        drops: dict[str, int] = {}
+        for reason, count in Counter(env.drop_counts).most_common():
+            # run-api takes up to 64 reasons of up to 64 characters (a custom reason may be
+            # longer): the largest counts, names cut short
+            name = str(reason)[:64]
+            if count > 0 and (name in drops or len(drops) < 64):
+                drops[name] = drops.get(name, 0) + int(count)
         if drops:
             # not in upstream (its API ignores the key): the groups this env dropped before
             # sending, by reason, so that a trainer waiting on run-api can say why nothing
