@@ -44,17 +44,17 @@ def fake_sample(text: str, n_tokens: int = 20, finish_reason: str = "stop") -> S
     )
 
 
-def run_process(script: str, out: Path, serve, tokenizer_dir: Path, *extra: str) -> list[dict]:
-    """``python environments/<script> process ...`` against ``serve``; the groups it wrote."""
-    data = out / "groups.jsonl"
+def run_env(
+    script: str, command: str, out: Path, serve, tokenizer_dir: Path, *extra: str
+) -> subprocess.CompletedProcess:
+    """``python environments/<script> <command> ...`` against ``serve`` (served as ``tiny``,
+    offline, W&B off), run in ``out``."""
     cmd = [
         sys.executable,
         str(REPO / "environments" / script),
-        "process",
+        command,
         "--env.use_wandb",
         "false",
-        "--env.data_path_to_save_groups",
-        str(data),
         "--env.tokenizer_name",
         str(tokenizer_dir),
         "--openai.base_url",
@@ -66,7 +66,22 @@ def run_process(script: str, out: Path, serve, tokenizer_dir: Path, *extra: str)
         *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_process(script: str, out: Path, serve, tokenizer_dir: Path, *extra: str) -> list[dict]:
+    """``python environments/<script> process ...`` against ``serve``; the groups it wrote."""
+    data = out / "groups.jsonl"
+    proc = run_env(
+        script,
+        "process",
+        out,
+        serve,
+        tokenizer_dir,
+        "--env.data_path_to_save_groups",
+        str(data),
+        *extra,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     groups = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     assert groups, proc.stderr[-3000:]
@@ -390,32 +405,17 @@ def test_evaluation_budget_apart_from_training(
     replies = [sum(m != -100 for m in masks) for g in groups for masks in g["masks"]]
     assert replies and max(replies) <= 4
     out = tmp_path / "evals"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "environments" / "gsm8k_server.py"),
-            "evaluate",
-            "--env.use_wandb",
-            "false",
-            "--env.max_eval_items",
-            "3",
-            "--env.data_dir_to_save_evals",
-            str(out),
-            "--env.tokenizer_name",
-            str(tiny_model_dir),
-            "--openai.base_url",
-            tiny_serve.url + "/v1",
-            "--openai.model_name",
-            "tiny",
-            "--openai.tokenizer_name",
-            str(tiny_model_dir),
-            *budget,
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_env(
+        "gsm8k_server.py",
+        "evaluate",
+        tmp_path,
+        tiny_serve,
+        tiny_model_dir,
+        "--env.max_eval_items",
+        "3",
+        "--env.data_dir_to_save_evals",
+        str(out),
+        *budget,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())

@@ -5,15 +5,13 @@ end to end with the same server as policy and judge."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.environments.test_gsm8k import assert_valid_groups, make_env, run_process
+from tests.environments.test_gsm8k import assert_valid_groups, make_env, run_env, run_process
 
 sys.path.insert(0, str(REPO / "environments"))
 
@@ -68,27 +66,6 @@ async def test_unparseable_judge_replies_are_counted_and_neutral(
         await env.client.close()
 
 
-def _cli(script: str, command: str, serve, model: Path, out: Path, *extra: str):
-    cmd = [
-        sys.executable,
-        str(REPO / "environments" / script),
-        command,
-        "--env.use_wandb",
-        "false",
-        "--env.tokenizer_name",
-        str(model),
-        "--openai.base_url",
-        serve.url + "/v1",
-        "--openai.model_name",
-        "tiny",
-        "--openai.tokenizer_name",
-        str(model),
-        *extra,
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.nightly  # out of per-commit CI (time budget): .ci/nightly runs it
 @pytest.mark.slow
 def test_process_and_evaluate_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -112,8 +89,8 @@ def test_process_and_evaluate_end_to_end(tiny_serve, tiny_model_dir: Path, tmp_p
     assert_valid_groups(groups, 3)
     assert all(-1.0 <= s <= 1.0 for g in groups for s in g["scores"])
     evals = tmp_path / "evals"
-    proc = _cli(
-        "rlaif_server.py", "evaluate", tiny_serve, tiny_model_dir, tmp_path, *judge,
+    proc = run_env(
+        "rlaif_server.py", "evaluate", tmp_path, tiny_serve, tiny_model_dir, *judge,
         "--env.num_eval_prompts", "2", "--env.max_answer_tokens", "16",
         "--env.judge_max_tokens", "8", "--env.data_dir_to_save_evals", str(evals),
     )  # fmt: skip
