@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atroposlib.utils.cli import FlagError, ModelArgumentParser, ModelFlags
+from example_trainer.budget import parse_duration
 
 
 def _default_device() -> str:
@@ -52,7 +53,24 @@ class TrainingConfig(BaseModel):
         description="Learning rate after warm-up: constant, or decaying to 0 over training_steps "
         "(linear or cosine, as transformers' and TRL's lr_scheduler_type).",
     )
-    training_steps: int = Field(default=10, ge=1, description="Optimizer steps to run in total.")
+    training_steps: int = Field(
+        default=10,
+        ge=1,
+        description="Optimizer steps to run in total (with max_time: at most this many).",
+    )
+    max_time: float | None = Field(
+        default=None,
+        description="Wall-clock budget from the trainer's start (seconds, or 12m, 11m30s, 1.5h, "
+        "HH:MM:SS), as PyTorch Lightning's max_time: after each step from min_steps on, stop "
+        "when one more step (the median of the last five) would end past it. The stopping step "
+        "is saved and synced as the last. The step in progress always finishes. The learning "
+        "rate schedule still spans training_steps. Default: no budget.",
+    )
+    min_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Steps taken whatever max_time says (Lightning's min_steps).",
+    )
     batch_size: int = Field(
         default=2,
         ge=1,
@@ -366,8 +384,17 @@ class TrainingConfig(BaseModel):
         default=True, description="Show a live rich progress bar (else one log line per step)."
     )
 
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float | None:
+        return None if value is None or value == "" else parse_duration(value)
+
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
+        if self.min_steps > self.training_steps:
+            raise ValueError(
+                f"min_steps ({self.min_steps}) is more than training_steps ({self.training_steps})"
+            )
         if self.reference_model is not None and self.kl_coef == 0:
             raise ValueError("reference_model is set but kl_coef is 0: set kl_coef > 0")
         launched = self.inference == "vllm" and self.launch_vllm

@@ -39,6 +39,7 @@ from atroposlib.trainer.throughput import (
 from atroposlib.utils.shm_weights import SegmentSpaceError
 from example_trainer import weight_sync
 from example_trainer.api import TrainerAPIClient, TrajectoryAPIError
+from example_trainer.budget import TimeBudget
 from example_trainer.checkpoint import (
     CheckpointSpaceError,
     latest_resumable,
@@ -327,6 +328,7 @@ def train(
     *,
     on_ready: Callable[[], None] | None = None,
     sync_at_end: bool | None = None,
+    budget: TimeBudget | None = None,
 ) -> Path:
     """Run GRPO training as configured; returns the folder of the final model.
 
@@ -336,12 +338,17 @@ def train(
     weights, e.g. run a held-out evaluation every few steps. ``sync_at_end``: whether the last
     step syncs the server too: True always, False never (a caller that stops the server right
     after), None (default) when the server outlives the trainer (a vLLM the trainer launched
-    stops with it, so it is not restarted for the last step).
+    stops with it, so it is not restarted for the last step). ``budget``: the time budget that
+    may end training before ``training_steps`` (default: one built from ``max_time`` and
+    ``min_steps``, counted from this call); its ``stopped_at`` tells ``on_step`` which step was
+    the last.
 
     With ``keep_checkpoints=0`` no ``step_N`` folder stays: one written for a weight sync is
     deleted once the server has loaded it, and the last step is written once, as
     ``final_model``, without optimizer state.
     """
+    if budget is None and config.max_time is not None:
+        budget = TimeBudget(config.max_time, min_steps=config.min_steps)
     torch.manual_seed(config.seed)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -413,6 +420,8 @@ def train(
     api = TrainerAPIClient(config.atropos_url)
     paused = False
     final: Path | None = None
+    last = False
+    synced_step = step
     #: evaluations pinned to a step's weights, not logged yet: request id -> step
     evals_pending: dict[int, int] = {}
     eval_every = config.eval_every
@@ -437,7 +446,15 @@ def train(
         while step < config.training_steps:
             log.status(f"step {step + 1}: waiting for a batch")
             waited = time.monotonic()
-            groups = api.get_batch(timeout=config.batch_timeout)
+            wait_left = budget.wait_left(step) if budget is not None else None
+            if wait_left is not None and wait_left < config.batch_timeout:
+                groups = _batch_within(api, max(0.0, wait_left))
+                if groups is None:  # the budget ran out while waiting: the last step was
+                    assert budget is not None
+                    budget.stop_waiting(step, time.monotonic() - waited)
+                    break
+            else:
+                groups = api.get_batch(timeout=config.batch_timeout)
             # The step's own work starts here: the server pauses before the batch is laid out,
             # so that nothing else competes with it for the cores.
             started = time.monotonic()
@@ -467,7 +484,9 @@ def train(
             if not math.isfinite(metrics["loss"]):
                 raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
 
-            last = step == config.training_steps
+            last = step == config.training_steps or (
+                budget is not None and budget.is_last(step, time.monotonic() - waited)
+            )
             # vLLM launched here stops with the trainer: no restart after the last step.
             sync_now = (step % config.weight_sync_interval == 0 or last) and (
                 not last or (sync.outlives_trainer if sync_at_end is None else sync_at_end)
@@ -510,6 +529,7 @@ def train(
                 reload_seconds = sync.sync(folder if disk_sync else None, policy_version=step)
                 sync_timings = dict(getattr(sync, "last_timings", None) or {})
                 synced = folder if disk_sync and folder is not None else save_path
+                synced_step = step
             if not config.keep_checkpoints and folder is not None:
                 # keep_checkpoints=0: the server has loaded the copy, nothing needs it any more
                 # (the newest resumable checkpoint is always kept)
@@ -517,6 +537,8 @@ def train(
             if paused:
                 sync.resume()
                 paused = False
+            if budget is not None:
+                budget.record(time.monotonic() - waited, waited=started - waited)
 
             extra = on_step(step, synced) if on_step is not None else None
             log.log(
@@ -572,9 +594,22 @@ def train(
                 else:
                     evals_pending[int(request["request_id"])] = step
             _collect_evals(api, log, evals_pending, config, wait=config.eval_barrier)
+            if budget is not None and budget.stopped_at == step:
+                log.status(f"step {step} is the last: {budget.reason}")
+                break
         _collect_evals(api, log, evals_pending, config, wait=True)
         if final is None:
             final = save_checkpoint(save_path / "final_model", model, tokenizer, step=step)
+        ended_waiting = budget is not None and budget.stopped_at == step and not last
+        if (
+            ended_waiting
+            and synced_step != step
+            and (sync.outlives_trainer if sync_at_end is None else sync_at_end)
+        ):
+            # the budget ended training while it waited for a batch: the server gets the last
+            # step's weights, as after any last step
+            log.status(f"step {step}: weight sync ({sync.description})")
+            sync.sync(final if sync.needs_checkpoint else None, policy_version=step)
         logger.info("final model saved to %s", final)
         return final
     finally:
@@ -586,6 +621,18 @@ def train(
         log.close()
         sync.close()
         api.close()
+
+
+def _batch_within(api: TrainerAPIClient, seconds: float) -> list[dict] | None:
+    """The next batch if it comes within ``seconds``, else None (errors the API reports before
+    then are raised as usual)."""
+    deadline = time.monotonic() + seconds
+    try:
+        return api.get_batch(timeout=seconds)
+    except TrajectoryAPIError:
+        if time.monotonic() < deadline:
+            raise
+        return None
 
 
 def _collect_evals(

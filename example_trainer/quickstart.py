@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atroposlib.utils.cli import REPEATABLE, FlagError, ModelArgumentParser, ModelFlags, parse_model
 from example_trainer.recipes import RECIPES
@@ -74,7 +74,21 @@ class QuickstartOptions(BaseModel):
         description="Policy model: a local folder, or SmolLM2-135M-Instruct (packaged, no "
         "download).",
     )
-    steps: int = Field(3, ge=1, description="Trainer steps.")
+    steps: int = Field(3, ge=1, description="Trainer steps (with --max-time: at most this many).")
+    max_time: float | None = Field(
+        None,
+        description="Wall-clock budget of the whole run from its start (seconds, or 12m, "
+        "11m30s, HH:MM:SS): from --min-steps on, the trainer stops when one more step and the "
+        "final held-out evaluation (as long as the first one took) would not end within it. "
+        "The step in progress finishes, so the run can end a little past it. Default: no "
+        "budget, --steps steps (--max-time none turns a recipe's off).",
+    )
+    min_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps taken whatever --max-time says (more than --steps counts as --steps, "
+        "so that --steps 5 with a recipe's --min-steps runs 5).",
+    )
     trainer: Literal["grpo", "trl"] = Field(
         "grpo",
         description="grpo: the example GRPO trainer (example_trainer/grpo.py). trl: TRL's "
@@ -151,6 +165,15 @@ class QuickstartOptions(BaseModel):
         "one of a field wins).",
     )
 
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float | None:
+        from example_trainer.budget import parse_duration
+
+        if value is None or str(value).strip().lower() in ("", "none", "off"):
+            return None
+        return parse_duration(value)
+
 
 FLAGS = ModelFlags(QuickstartOptions)
 
@@ -209,6 +232,8 @@ def _check(options: BaseModel) -> None:
             raise FlagError("--trainer trl: only with --inference atropos-serve")
         if options.resume:
             raise FlagError("--trainer trl: --resume is not supported")
+        if options.max_time is not None:
+            raise FlagError("--max-time: only with --trainer grpo (TRL runs --steps steps)")
         try:
             import trl  # noqa: F401
         except ImportError:
@@ -309,6 +334,8 @@ class _Evaluator:
         self.env_argv = _flag_list(args.env_arg, "--env-arg")
         self.console = logging.getLogger("atropos-quickstart")
         self.results: dict[int, dict[str, float]] = {}
+        #: wall time of each evaluation, by step
+        self.seconds: dict[int, float] = {}
         self._worker: Any = None
 
     def worker(self) -> Any:
@@ -342,7 +369,9 @@ class _Evaluator:
     def run(self, step: int, label: str) -> dict[str, float]:
         folder = self.out / "evals" / label
         self.console.info("held-out evaluation (%s): %s evaluate()", label, self.env_file.name)
+        began = time.monotonic()
         metrics = self.worker().evaluate(folder)
+        self.seconds[step] = time.monotonic() - began
         if label in ("before", "after"):
             shutil.copyfile(folder / "metrics.json", self.out / f"eval_{label}.json")
         self.results[step] = metrics
@@ -449,6 +478,8 @@ def run(args: QuickstartOptions) -> int:
     failed: list[str] = []
     started = time.monotonic()
     final = None
+    budget = None
+    evaluated_after: list[int] = []
     env_started = False
     completed = False
     try:
@@ -467,17 +498,39 @@ def run(args: QuickstartOptions) -> int:
             env_started = True
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
                 before = evaluator.run(0, "before")
-                _append(metrics_file, {"step": 0, "time": time.time(), **before})
+                _append(
+                    metrics_file,
+                    {
+                        "step": 0,
+                        "time": time.time(),
+                        **before,
+                        "eval_seconds": evaluator.seconds[0],
+                    },
+                )
+            elif args.eval:  # resumed: the first evaluation's time, for the time budget
+                evaluator.seconds[0] = _first_eval_seconds(metrics_file)
 
         def on_step(step: int, synced: Path | None) -> dict[str, float] | None:
             if not args.eval or synced is None:
                 return None
-            if step == args.steps:
+            if step == args.steps or (budget is not None and budget.stopped_at == step):
+                evaluated_after.append(step)
                 return evaluator.run(step, "after")
             if args.eval_every and step % args.eval_every == 0:
                 return evaluator.run(step, f"step_{step}")
             return None
 
+        if args.max_time is not None:
+            from example_trainer.budget import TimeBudget
+
+            # counted from the command's start; the end keeps room for the "after" evaluation
+            # (as long as the "before" one took: the base model's replies run longest)
+            budget = TimeBudget(
+                args.max_time,
+                min_steps=min(args.min_steps, args.steps),
+                started=started,
+                reserve=lambda: evaluator.seconds.get(0, 0.0) if args.eval else 0.0,
+            )
         threading.Thread(target=_watch, args=(launched, stop_watch, failed), daemon=True).start()
         if args.trainer == "trl":
             from example_trainer.trl_train import train_trl
@@ -491,7 +544,13 @@ def run(args: QuickstartOptions) -> int:
                 temperature=_env_temperature(env_argv),
             )
         else:
-            final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval)
+            final = train(config, on_step, on_ready=on_ready, sync_at_end=args.eval, budget=budget)
+            if args.eval and budget is not None and budget.stopped_at and not evaluated_after:
+                # the budget ended training while the trainer waited for a batch: the server
+                # serves the last step's weights, evaluated here as after any last step
+                step = budget.stopped_at
+                after = evaluator.run(step, "after")
+                _append(metrics_file, {"step": step, "time": time.time(), **after})
         final = _publish_final(final, out)
         completed = True
     except KeyboardInterrupt:
@@ -529,11 +588,27 @@ def run(args: QuickstartOptions) -> int:
         evaluator.close()
         launched.stop()
         _summary(
-            out, rollouts, checkpoints, final, logs, time.monotonic() - started, args, completed
-        )
+            out, rollouts, checkpoints, final, logs, time.monotonic() - started, args, completed,
+            budget,
+        )  # fmt: skip
         if queue_line:
             print(queue_line)
     return 0
+
+
+def _first_eval_seconds(metrics_file: Path) -> float:
+    """How long the run's "before" evaluation took (its ``eval_seconds`` in
+    ``metrics.jsonl``; 0 when it was not recorded)."""
+    if not metrics_file.is_file():
+        return 0.0
+    for line in metrics_file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step") == 0 and "eval_seconds" in record:
+            return float(record["eval_seconds"])
+    return 0.0
 
 
 def _queue_report(api_url: str, out: Path) -> str:
@@ -696,9 +771,11 @@ def _summary(
     seconds: float,
     args: QuickstartOptions,
     completed: bool = True,
+    budget: Any = None,
 ) -> None:
     """Render the rollouts as HTML, the curves and the table, and print where everything is
-    (``completed`` False: the run stopped early, on the error printed above)."""
+    (``completed`` False: the run stopped early, on the error printed above; ``budget``: the
+    run's :class:`~example_trainer.budget.TimeBudget`, if it had one)."""
     if completed:
         lines = [f"\natropos-quickstart finished in {seconds:.0f} s. Everything is in {out}:"]
     else:
@@ -736,6 +813,10 @@ def _summary(
         except Exception as exc:  # noqa: BLE001 - the summary must always print
             lines.append(f"  curves        (failed: {exc})")
     lines.append(f"  logs          {logs}")
+    if budget is not None and budget.stopped_at is not None:
+        lines.append(f"  steps         {budget.stopped_at} of up to {args.steps} ({budget.reason})")
+    elif budget is not None and completed:
+        lines.append(f"  steps         all {args.steps} within the time budget")
     before, after = out / "eval_before.json", out / "eval_after.json"
     if before.is_file() and after.is_file():
         from example_trainer.report import before_after_table, read_eval_metrics

@@ -71,11 +71,14 @@ RECIPES: dict[str, Recipe] = {
     ),
     "gsm8k-format": Recipe(
         summary="SmolLM2-135M-Instruct learns to finish its GSM8K solutions with one \\boxed{} "
-        "number (the bundled train split; 200 held-out test problems before/after), ~10 min on "
-        "2 CPU cores with bfloat16 units (AVX-512 BF16), longer without",
+        "number (the bundled train split; 200 held-out test problems before/after); at least 13 "
+        "steps, up to 20 while they fit in 11 min 30 s (evaluations included) on 2 CPU cores with "
+        "bfloat16 units (AVX-512 BF16); 13 steps take longer without",
         flags={
             "env": "gsm8k",
-            "steps": 13,
+            "steps": 20,
+            "min_steps": 13,
+            "max_time": 690.0,
             "group_size": 16,
             "batch_size": 32,
             "micro_batch_size": 16,
@@ -98,5 +101,6 @@ RECIPES: dict[str, Recipe] = {
             "env.max_batches_offpolicy=1",
         ],
         trainer_args=["checkpoint_interval=10", "pause_generation=true"],
+        trl_flags={"steps": 13, "min_steps": 0, "max_time": None},
     ),
 }

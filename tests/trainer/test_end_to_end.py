@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -399,6 +400,36 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
     assert list((save_path / "wandb").glob("offline-run-*")), "W&B offline run not written"
 
 
+@pytest.mark.slow
+def test_time_budget_ends_training_when_no_batch_comes_in_time(
+    tmp_path: Path, start_api, tiny_model_dir: Path
+) -> None:
+    """``--max-time``: with data for two steps of five, the trainer does not wait for a third
+    batch past its budget: step 2 becomes the last (final_model), the reason is logged."""
+    api = start_api()
+    for group in _tokenized_groups(4):  # two batches of 2 groups
+        assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
+    save_path = tmp_path / "ckpt"
+    started = time.monotonic()
+    result = subprocess.run(
+        _trainer_cmd(
+            tiny_model_dir, api.url, save_path, "--training-steps", "5", "--inference", "none",
+            "--max-time", "40", "--min-steps", "1", "--batch-timeout", "600",
+        ),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [m["step"] for m in _metrics(save_path)] == [1, 2]
+    assert (save_path / "final_model" / "model.safetensors").is_file()
+    assert "step 2 is the last one: time budget 40 s: no batch for step 3 within " in result.stderr
+    assert took < 120  # not the 600-s batch timeout
+    api.stop()
+
+
 def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port: int, *extra: str):
     return subprocess.Popen(
         [
@@ -432,9 +463,12 @@ def _quickstart(tmp_path: Path, model: Path, steps: int, api_port: int, inf_port
 @pytest.mark.slow
 def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: Path) -> None:
     api_port, inf_port = free_port(), free_port()
+    # up to 4 steps, but a 1-second time budget ends training once --min-steps (2) are taken:
+    # step 2 is the last (final_model, the "after" evaluation) as if it were --steps
     proc = _quickstart(
-        tmp_path, tiny_model_dir, 2, api_port, inf_port,
+        tmp_path, tiny_model_dir, 4, api_port, inf_port,
         "--eval", "--eval-every", "1", "--env-arg", "env.num_eval_problems=20",
+        "--max-time", "1", "--min-steps", "2",
     )  # fmt: skip
     output, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, output[-4000:]
@@ -464,6 +498,10 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     for name in ("run-api.log", "atropos-serve.log", "env.log", "evaluator.log"):
         assert (out / "logs" / name).is_file()
     assert f"Everything is in {out}" in output and "rollouts.html" in output
+    assert "steps         2 of up to 4 (time budget 1 s: 0 s left, one more step takes ~" in output
+    assert "step 2 is the last one: time budget 1 s" in output
+    # the "before" evaluation's time, kept for --resume's budget
+    assert records[0]["eval_seconds"] > 0
     # what became of every group: run-api's counters, with what the env dropped before sending
     queue = json.loads((out / "run-api-metrics.json").read_text())
     assert f"run-api: {queue['accepted_groups']} groups accepted" in output
@@ -476,6 +514,36 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
         assert not _wait_gone(f"--port {port}"), f"a child on port {port} is still running"
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+@pytest.mark.slow
+def test_quickstart_evaluates_the_last_step_when_the_budget_ends_a_wait(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The env stops once run-api holds data for its total_steps (2; it sends a little ahead),
+    well short of --steps 6: the trainer's wait for the next batch ends with the time budget,
+    and the last step's weights get the "after" evaluation."""
+    proc = _quickstart(
+        tmp_path, tiny_model_dir, 6, free_port(), free_port(),
+        "--eval", "--env-arg", "env.num_eval_problems=10", "--env-arg", "env.total_steps=2",
+        "--max-time", "75", "--min-steps", "2",
+    )  # fmt: skip
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output[-4000:]
+    out = tmp_path / "out"
+    found = re.search(
+        r"step (\d) is the last one: time budget 1 min 15 s: no batch for step (\d) within", output
+    )
+    assert found, output[-4000:]
+    last = int(found.group(1))
+    assert 2 <= last < 6 and int(found.group(2)) == last + 1
+    assert f"steps         {last} of up to 6 (time budget 1 min 15 s: no batch for step" in output
+    records = _metrics(out)
+    # the trainer's steps, then the "after" evaluation of the last step's weights
+    assert [r["step"] for r in records] == [0, *range(1, last + 1), last]
+    assert "eval/percent_correct" in records[-1] and "reward_mean" not in records[-1]
+    assert (out / "eval_after.json").is_file() and (out / "final_model" / "config.json").is_file()
+    assert "held-out (greedy)" in output
 
 
 @pytest.mark.slow
@@ -613,6 +681,9 @@ def test_trainer_restarts_vllm_on_each_sync(
         # a value that starts with "-" is attached with "=" (--env-arg=--env.x=1)
         (["--env-arg", "--env.x=1"], "argument --env-arg/--env_arg: expected one argument"),
         (["--resume"], "--resume: no run to resume"),
+        (["--max-time", "soon"], "--max-time 'soon': Value error, not a duration: 'soon' ("),
+        (["--max-time", "0"], "--max-time '0': Value error, a duration must be positive"),
+        (["--trainer", "trl", "--max-time", "60"], "--max-time: only with --trainer grpo"),
     ],
 )
 def test_quickstart_bad_flags_are_named(tmp_path: Path, argv: list[str], message: str) -> None:
