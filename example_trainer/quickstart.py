@@ -334,7 +334,7 @@ class _Evaluator:
         self.env_argv = _flag_list(args.env_arg, "--env-arg")
         self.console = logging.getLogger("atropos-quickstart")
         self.results: dict[int, dict[str, float]] = {}
-        #: wall time of each evaluation, by step
+        #: wall time of each evaluation, by step (its ``eval_seconds``)
         self.seconds: dict[int, float] = {}
         self._worker: Any = None
 
@@ -369,9 +369,8 @@ class _Evaluator:
     def run(self, step: int, label: str) -> dict[str, float]:
         folder = self.out / "evals" / label
         self.console.info("held-out evaluation (%s): %s evaluate()", label, self.env_file.name)
-        began = time.monotonic()
         metrics = self.worker().evaluate(folder)
-        self.seconds[step] = time.monotonic() - began
+        self.seconds[step] = float(metrics.get("eval_seconds", 0.0))
         if label in ("before", "after"):
             shutil.copyfile(folder / "metrics.json", self.out / f"eval_{label}.json")
         self.results[step] = metrics
@@ -498,15 +497,7 @@ def run(args: QuickstartOptions) -> int:
             env_started = True
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
                 before = evaluator.run(0, "before")
-                _append(
-                    metrics_file,
-                    {
-                        "step": 0,
-                        "time": time.time(),
-                        **before,
-                        "eval_seconds": evaluator.seconds[0],
-                    },
-                )
+                _append(metrics_file, {"step": 0, "time": time.time(), **before})
             elif args.eval:  # resumed: the first evaluation's time, for the time budget
                 evaluator.seconds[0] = _first_eval_seconds(metrics_file)
 
