@@ -240,6 +240,21 @@ class Run:
         for component in self.plan.environments:
             self._start(component).state = "running"
 
+    def stop_environments(self) -> list[str]:
+        """Stop every environment worker still running, keeping the API and the inference
+        servers: once the trainer has taken its last step their rollouts are no longer needed,
+        and on a small machine they would slow a final evaluation down. A stopped worker is not
+        restarted or reported as failed. Returns the names of the workers it stopped."""
+        stopped = []
+        for component in reversed(self.plan.environments):
+            st = self.states[component.name]
+            if st.handle is None or st.state in ("done", "failed", "stopped"):
+                continue
+            st.state = "stopped"  # first: the supervisor leaves it alone from now on
+            self._stop_one(component)
+            stopped.append(component.name)
+        return stopped
+
     def start_trainer(self) -> None:
         """The trainer, if the run has one."""
         if self.plan.trainer is not None:

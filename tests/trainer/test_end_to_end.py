@@ -500,6 +500,9 @@ def test_quickstart_runs_the_loop_and_cleans_up(tmp_path: Path, tiny_model_dir: 
     assert f"Everything is in {out}" in output and "rollouts.html" in output
     assert "steps         2 of up to 4 (time budget 1 s: 0 s left, one more step takes ~" in output
     assert "step 2 is the last one: time budget 1 s" in output
+    # the env still rolling out is stopped before the "after" evaluation, not reported failed
+    after = output.index("held-out evaluation (after)")
+    assert 0 < output.index("env: stopped (training is over") < after
     # the "before" evaluation's time, kept for --resume's budget
     assert records[0]["eval_seconds"] > 0
     # what became of every group: run-api's counters, with what the env dropped before sending
