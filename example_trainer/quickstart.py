@@ -333,9 +333,8 @@ class _Evaluator:
         self.args, self.env_file, self.out, self.where = args, env_file, out, where
         self.env_argv = _flag_list(args.env_arg, "--env-arg")
         self.console = logging.getLogger("atropos-quickstart")
+        #: each evaluation's metrics by step, its wall time (``eval_seconds``) included
         self.results: dict[int, dict[str, float]] = {}
-        #: wall time of each evaluation, by step (its ``eval_seconds``)
-        self.seconds: dict[int, float] = {}
         self._worker: Any = None
 
     def worker(self) -> Any:
@@ -370,7 +369,6 @@ class _Evaluator:
         folder = self.out / "evals" / label
         self.console.info("held-out evaluation (%s): %s evaluate()", label, self.env_file.name)
         metrics = self.worker().evaluate(folder)
-        self.seconds[step] = float(metrics.get("eval_seconds", 0.0))
         if label in ("before", "after"):
             shutil.copyfile(folder / "metrics.json", self.out / f"eval_{label}.json")
         self.results[step] = metrics
@@ -498,8 +496,13 @@ def run(args: QuickstartOptions) -> int:
             if args.eval and not (args.resume and (out / "eval_before.json").is_file()):
                 before = evaluator.run(0, "before")
                 _append(metrics_file, {"step": 0, "time": time.time(), **before})
-            elif args.eval:  # resumed: the first evaluation's time, for the time budget
-                evaluator.seconds[0] = _first_eval_seconds(metrics_file)
+            elif args.eval:  # resumed: the first evaluation's record, for the time budget
+                from example_trainer.report import read_metrics
+
+                records = read_metrics(metrics_file)
+                first = [r for r in records if r["step"] == 0 and "eval_seconds" in r]
+                if first:
+                    evaluator.results[0] = first[0]
 
         def _stop_rollouts() -> None:
             """Training is over: the env's rollouts would only compete with the "after"
@@ -528,7 +531,11 @@ def run(args: QuickstartOptions) -> int:
                 args.max_time,
                 min_steps=min(args.min_steps, args.steps),
                 started=started,
-                reserve=lambda: evaluator.seconds.get(0, 0.0) if args.eval else 0.0,
+                reserve=lambda: (
+                    float(evaluator.results.get(0, {}).get("eval_seconds", 0.0))
+                    if args.eval
+                    else 0.0
+                ),
             )
         threading.Thread(target=_watch, args=(launched, stop_watch, failed), daemon=True).start()
         if args.trainer == "trl":
@@ -594,21 +601,6 @@ def run(args: QuickstartOptions) -> int:
         if queue_line:
             print(queue_line)
     return 0
-
-
-def _first_eval_seconds(metrics_file: Path) -> float:
-    """How long the run's "before" evaluation took (its ``eval_seconds`` in
-    ``metrics.jsonl``; 0 when it was not recorded)."""
-    if not metrics_file.is_file():
-        return 0.0
-    for line in metrics_file.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step") == 0 and "eval_seconds" in record:
-            return float(record["eval_seconds"])
-    return 0.0
 
 
 def _queue_report(api_url: str, out: Path) -> str:
