@@ -321,7 +321,9 @@ class GenerationEngine:
     prepacked oneDNN weights and, for Llama-architecture models, a lean decode step
     (``lean_decode=False`` keeps the model's own forward pass), each where it computes exactly
     what the model computes; the packed and fused weights are extra copies of the linear
-    weights. ``compile`` compiles the decode step instead (keeping only the attention kernel).
+    weights. The lean step attends with a C kernel compiled on first use
+    (:mod:`atroposlib.inference.fastpath.native`; float32 attention, not bit-identical to
+    the model's sdpa); ``native_attention=False`` or ``ATROPOS_NATIVE_KERNELS=0`` keeps sdpa. ``compile`` compiles the decode step instead (keeping only the attention kernel).
 
     ``logprobs_mode`` (vLLM's names): ``processed_logprobs`` (the default) reports
     log-probabilities of the distribution each token was drawn from (after penalties,
@@ -344,6 +346,7 @@ class GenerationEngine:
         compile: bool = False,
         fast_decode: bool = True,
         lean_decode: bool = True,
+        native_attention: bool = True,
         share_prompt_kv: bool = True,
         split_prefill_by_length: bool = True,
         threads: int | None = None,
@@ -376,7 +379,10 @@ class GenerationEngine:
         """Prompts of very different lengths waiting together are prefilled in passes of
         similar lengths (:meth:`_length_buckets`) rather than one pass padded to the longest."""
         self._fast_options = fastpath.FastPathOptions(
-            enabled=fast_decode, lean=lean_decode, compiled=compile
+            enabled=fast_decode,
+            lean=lean_decode,
+            native_attention=native_attention,
+            compiled=compile,
         )
         self.device = next(model.parameters()).device
         self._fast = self._prepare(model)

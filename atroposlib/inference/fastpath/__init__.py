@@ -11,7 +11,10 @@ the pieces:
   sdpa's slow ``enable_gqa`` path) and a KV cache that appends in place;
 * :mod:`.packed_linear`: linear layers multiplying with weights prepacked once for oneDNN;
 * :mod:`.lean_decode`: the decode step of Llama-architecture models without ``transformers``'
-  per-call overhead (bit-identical logits);
+  per-call overhead (bit-identical logits with PyTorch's attention);
+* :mod:`.native`: a C kernel for that step's attention, compiled on first use where a C
+  compiler is found (float32 attention: within float32 rounding of the model's, not
+  bit-identical; ``native_attention=False`` or ``ATROPOS_NATIVE_KERNELS=0`` turns it off);
 * :mod:`.grouped`: a batch layout for that step whose rows keep their request's prompt keys
   and values once (:meth:`PreparedModel.decode_grouped`).
 
@@ -59,6 +62,10 @@ class FastPathOptions:
     """Use the fast path at all (the engine's ``fast_decode``); False keeps the model as is."""
     lean: bool = True
     """Decode with :class:`~.lean_decode.LeanDecoder` where it applies (``lean_decode``)."""
+    native_attention: bool = True
+    """The lean step attends with the C kernel (:mod:`.native`, built on first use) where it
+    applies; False (or ``ATROPOS_NATIVE_KERNELS=0``) keeps PyTorch's sdpa, bit-identical to
+    the ``transformers`` forward pass."""
     compiled: bool = False
     """The caller ``torch.compile``\\ s the decode step: only the attention kernel is used
     (compiled graphs guard on strides, which the growing cache changes, and compile their own
@@ -180,7 +187,8 @@ def prepare(
     lean, lean_why = None, "lean_decode is off"
     if full and options.lean:
         lean, lean_why = LeanDecoder.try_build(model)
-    reason = _describe(model, options, attention, packed, lean is not None, lean_why)
+    native_why = _use_native_attention(lean, options)
+    reason = _describe(model, options, attention, packed, lean is not None, lean_why, native_why)
     prepared = PreparedModel(
         model=model,
         options=options,
@@ -218,6 +226,7 @@ def refresh(prepared: PreparedModel) -> PreparedModel:
         packed = pack_linear_weights(model) if full else 0
         if full and options.lean:
             lean, lean_why = LeanDecoder.try_build(model)
+    native_why = _use_native_attention(lean, options)
     fresh = PreparedModel(
         model=model,
         options=options,
@@ -226,7 +235,13 @@ def refresh(prepared: PreparedModel) -> PreparedModel:
         packed_layers=packed,
         lean=lean,
         reason=_describe(
-            model, options, prepared.decode_attention, packed, lean is not None, lean_why
+            model,
+            options,
+            prepared.decode_attention,
+            packed,
+            lean is not None,
+            lean_why,
+            native_why,
         ),
     )
     model.__dict__[_ATTRIBUTE] = fresh
@@ -250,6 +265,18 @@ def release(model: PreTrainedModel) -> None:
     unpack_linear_weights(model)
 
 
+def _use_native_attention(lean: LeanDecoder | None, options: FastPathOptions) -> str:
+    """Switch ``lean`` to the C attention kernel where options and model allow; returns ""
+    when it did, else why not (empty too when there is no lean step to switch)."""
+    if lean is None:
+        return ""
+    if not options.native_attention:
+        return "native_attention is off"
+    applies, why = lean.native_attention_applies()
+    lean.native_attention = applies
+    return why
+
+
 def _describe(
     model: PreTrainedModel,
     options: FastPathOptions,
@@ -257,6 +284,7 @@ def _describe(
     packed: int,
     lean: bool,
     lean_why: str,
+    native_why: str = "",
 ) -> str:
     if not options.enabled:
         return "fast path off (fast_decode=False): the model's own attention and forward pass"
@@ -277,7 +305,13 @@ def _describe(
         parts.append(
             f"no prepacked weights ({weight.dtype} on {weight.device.type}: no oneDNN kernels)"
         )
-    parts.append("lean decode step" if lean else f"transformers decode step ({lean_why})")
+    if lean:
+        parts.append(
+            "lean decode step, "
+            + (f"PyTorch's attention ({native_why})" if native_why else "C attention kernel")
+        )
+    else:
+        parts.append(f"transformers decode step ({lean_why})")
     return "; ".join(parts)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native as native_kernels
 from .attention import gather_rows, stack_right_aligned
 
 #: Spare generated positions each row's own keys and values are allocated with.
@@ -80,11 +81,20 @@ def _own_part(
     values: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_part` over the rows' generated keys and values, stored in the model's dtype:
-    converted to float32 while they are few, else PyTorch's flash kernel on ``native_query``
-    (unscaled, the model's dtype), whose normalised output and log-sum-exp are the same
-    triple with a weight total of 1."""
+    with ``mask`` (the rows' ``(rows, positions)`` bytes, 1 = attend) the C kernel
+    (:func:`.native.decode_attention`) on the scaled float32 ``query``; otherwise converted
+    to float32 while they are few, else PyTorch's flash kernel on ``native_query`` (unscaled,
+    the model's dtype). The C and flash kernels return the normalised output and the
+    log-sum-exp, the same triple with a weight total of 1."""
+    if mask is not None:
+        out, lse = native_kernels.decode_attention(
+            query, keys, values, None if bias is None else mask, 1.0
+        )
+        lse = lse.unsqueeze(-1)
+        return out, lse, torch.ones_like(lse)
     if keys.dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= MANUAL_MAX_POSITIONS:
         return _part(query, keys.float(), values.float(), bias)
     mask = None
@@ -258,6 +268,7 @@ class GroupedBatch:
             [self.own_mask, torch.ones((self.rows, 1), dtype=torch.bool)], dim=1
         )
         self._own_bias = _bias(self.own_mask)
+        self._own_bytes = self.own_mask.to(torch.uint8)
 
     def end_step(self) -> None:
         """The step's token is in every layer: count it."""
@@ -270,10 +281,12 @@ class GroupedBatch:
         key: torch.Tensor,
         value: torch.Tensor,
         scale: float,
+        native: bool = False,
     ) -> torch.Tensor:
         """Store the new token's ``key``/``value`` ``(rows, kv_heads, 1, dim)`` in ``layer`` and
         return attention of ``query`` ``(rows, heads, 1, dim)`` over the row's prompt and
-        generated tokens, ``(rows, heads, dim)`` in the query's dtype."""
+        generated tokens, ``(rows, heads, dim)`` in the query's dtype. ``native``: the rows'
+        generated part goes through the C kernel (:mod:`.native`)."""
         width = self.own_width
         own_k, own_v = self.own_keys[layer], self.own_values[layer]
         own_k[:, :, width] = key[:, :, 0]
@@ -281,8 +294,7 @@ class GroupedBatch:
         rows, heads, _, dim = query.shape
         kv_heads = key.shape[1]
         per_kv = heads // kv_heads
-        native = query.reshape(rows, kv_heads, per_kv, dim)
-        q = native.float().mul_(scale)
+        q = query.reshape(rows, kv_heads, per_kv, dim).float().mul_(scale)
         # The prompt part: one multiply per request and key/value head, its rows' query heads
         # side by side (a slot per sample; slots of finished rows are zeros, never read back).
         requests, slots = self.prompt_mask.shape[0], self.slots
@@ -301,7 +313,13 @@ class GroupedBatch:
             for t in (out_p, top_p, sum_p)
         )
         out_o, top_o, sum_o = _own_part(
-            q, native, own_k[:, :, : width + 1], own_v[:, :, : width + 1], self._own_bias, scale
+            q,
+            query.reshape(rows, kv_heads, per_kv, dim),
+            own_k[:, :, : width + 1],
+            own_v[:, :, : width + 1],
+            self._own_bias,
+            scale,
+            self._own_bytes if native else None,
         )
         # Both parts rescaled to the larger of their two maxima, then normalised together.
         top = torch.maximum(top_p, top_o)

@@ -7,7 +7,9 @@ step as ``LlamaForCausalLM`` for one new token per row with that overhead stripp
 loop over the layers, the mask built once per step instead of per call, and the query/key/
 value projections and the gate/up projections each fused into one prepacked multiply (five
 multiplies per layer become two). The arithmetic is the model's own, in the same order, so
-the logits are bit-identical to the ``transformers`` forward pass.
+the logits are bit-identical to the ``transformers`` forward pass, except for the attention
+when it runs on the C kernel (:mod:`.native`, the default where it builds): that attention is
+computed in float32 and returned in float32, within float32 rounding of the model's.
 
 Measured on the 2-core development machine with SmolLM2-135M in bf16, one decode step
 alternating between the two paths in one process: 1.35x faster at batch 1 (27.0 -> 19.9
@@ -36,6 +38,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from . import native
 from .attention import ATTENTION_NAME
 from .grouped import GroupedBatch
 from .packed_linear import fused_group, is_packed, packing_supported
@@ -108,6 +111,11 @@ class LeanDecoder:
         self._final_norm = inner.norm.weight
         self._final_eps = float(inner.norm.variance_epsilon)
         self._lm_head = model.lm_head  # type: ignore[attr-defined]
+        self.native_attention = False
+        """Attend with the C kernel (:func:`.native.decode_attention`) instead of PyTorch's
+        sdpa: set by :func:`~atroposlib.inference.fastpath.prepare` where it applies. The
+        logits are then no longer bit-identical to the ``transformers`` forward pass, only as
+        close as float32 attention is (closer to a float32 reference than bfloat16 sdpa)."""
         # Every weight the fused copies were made from, with its version at build time.
         self._sources = [(p, None if p.is_inference() else p._version) for p in model.parameters()]
 
@@ -214,6 +222,11 @@ class LeanDecoder:
         ]
         return True
 
+    def native_attention_applies(self) -> tuple[bool, str]:
+        """Whether :func:`.native.decode_attention` can attend for this model: ``(True, "")``
+        or ``(False, why not)``."""
+        return native.supports(self._final_norm.dtype, self.head_dim, self.heads // self.kv_heads)
+
     def current(self) -> bool:
         """False once any of the model's weights was changed in place after :meth:`build`."""
         return all(version is None or p._version == version for p, version in self._sources)
@@ -232,8 +245,23 @@ class LeanDecoder:
         """
         batch = input_ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        everywhere = bool(attention_mask.all())
+        if self.native_attention:
+            # the mask as bytes once per step, not once per layer
+            rows = None if everywhere else attention_mask.to(torch.uint8).contiguous()
+
+            def attend(
+                index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+                keys, values = cache.layers[index].update(k, v)
+                grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+                out, _ = native.decode_attention(grouped, keys, values, rows, scale)
+                return out.to(q.dtype)
+
+            return self._step(input_ids, position_ids, attend)
+
         # As transformers' sdpa mask: none at all when nothing is padding.
-        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        mask = None if everywhere else attention_mask.bool()[:, None, None, :]
         sdpa = nn.functional.scaled_dot_product_attention
 
         def attend(
@@ -255,7 +283,14 @@ class LeanDecoder:
         generated parts exactly (not bit for bit: see :mod:`.grouped`)."""
         positions = batch.positions()
         batch.begin_step()
-        logits = self._step(input_ids, positions, batch.attend)
+        native_attention = self.native_attention
+
+        def attend(
+            index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        ) -> torch.Tensor:
+            return batch.attend(index, q, k, v, scale, native=native_attention)
+
+        logits = self._step(input_ids, positions, attend)
         batch.end_step()
         return logits
 

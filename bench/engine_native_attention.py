@@ -1,0 +1,100 @@
+"""The lean decode step's attention: the C kernel (``fastpath.native``) or PyTorch's sdpa.
+
+One engine, set up as ``atropos-serve`` runs it, switches its lean step's attention between
+rounds (alternating which goes first, after a warm-up round of each, not counted) on the
+gsm8k-format recipe's two loads:
+
+* ``evaluation``: the first ``--items`` GSM8K test questions as ``gsm8k_server.py evaluate``
+  sends them (greedy, at most 128 tokens, ``--concurrency`` in flight): the per-row layout;
+* ``training``: ``--groups`` GRPO groups of 16 replies (at most 128 tokens, temperature 0.4)
+  to GSM8K train questions, 8 in flight: prompts stored once per request (the C kernel
+  attends over the replies' own tokens).
+
+It prints items/s or groups/s per round and the median ratio per load.
+
+    python bench/engine_native_attention.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
+
+from engine_contention import serving_dtype, start_engine  # noqa: E402
+from engine_max_batch import run_round as training_round  # noqa: E402
+from engine_prefill_split import gsm8k_prompts  # noqa: E402
+from engine_prefill_split import run_round as evaluation_round  # noqa: E402
+
+from atroposlib.inference.engine import GenerationEngine  # noqa: E402
+
+
+def set_native(engine: GenerationEngine, on: bool) -> None:
+    lean = engine._fast.lean
+    if lean is None:
+        raise SystemExit(f"no lean decode step for this model: {engine._fast.reason}")
+    if on and not lean.native_attention_applies()[0]:
+        raise SystemExit(f"the C kernel does not apply: {lean.native_attention_applies()[1]}")
+    lean.native_attention = on
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto", help="auto: as atropos-quickstart serves")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--items", type=int, default=64, help="evaluation questions per round")
+    parser.add_argument("--concurrency", type=int, default=64, help="evaluation requests")
+    parser.add_argument("--groups", type=int, default=8, help="training groups per round")
+    parser.add_argument("--rounds", type=int, default=2, help="counted rounds per setting")
+    parser.add_argument("--loads", default="evaluation,training")
+    args = parser.parse_args()
+
+    dtype = serving_dtype(args.dtype, args.threads)
+    engine = start_engine(args.model, dtype, args.threads, logprobs_mode="processed_logprobs")
+    print(f"{dtype}, {args.threads} threads; {engine._fast.reason}", flush=True)
+    loads = {
+        "evaluation": (
+            "items/s",
+            gsm8k_prompts(engine.tokenizer, args.items),
+            lambda prompts: evaluation_round(engine, prompts, args.concurrency),
+        ),
+        "training": (
+            "groups/s",
+            gsm8k_prompts(engine.tokenizer, args.groups, split="train", seed=0),
+            lambda prompts: training_round(engine, prompts, 8, 0.4),
+        ),
+    }
+    settings = {"C kernel": True, "sdpa": False}
+    ratios = {}
+    for load in args.loads.split(","):
+        unit, prompts, run = loads[load]
+        rates: dict[str, list[float]] = {name: [] for name in settings}
+        for round_index in range(args.rounds + 1):
+            order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
+            for name in order:
+                set_native(engine, settings[name])
+                started = time.perf_counter()
+                rate = asyncio.run(run(prompts))
+                seconds = time.perf_counter() - started
+                tag = "warm-up" if round_index == 0 else f"round {round_index}"
+                print(f"{load}, {name}, {tag}: {rate:.3f} {unit} ({seconds:.1f} s)", flush=True)
+                if round_index:
+                    rates[name].append(rate)
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        ratios[load] = medians["C kernel"] / medians["sdpa"]
+        print(
+            f"{load}: C kernel {medians['C kernel']:.3f}, sdpa {medians['sdpa']:.3f} {unit} "
+            f"(medians of {args.rounds}): {ratios[load]:.2f}x",
+            flush=True,
+        )
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
