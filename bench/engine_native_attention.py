@@ -10,15 +10,20 @@ gsm8k-format recipe's two loads:
   to GSM8K train questions, 8 in flight: prompts stored once per request (the C kernel
   attends over the replies' own tokens).
 
-It prints items/s or groups/s per round and the median ratio per load.
+It prints items/s or groups/s per round and the median ratio per load. ``--kernel`` times
+one layer's attention alone instead (64 and 128 rows, 3 key/value heads of 3 query heads,
+head size 64, 150 or 250 cached positions with 0-100 of left padding, a strided view of a
+cache with spare positions), the two kernels alternated, medians of 7 x 30 calls.
 
     python bench/engine_native_attention.py --rounds 2
+    python bench/engine_native_attention.py --kernel
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -43,6 +48,58 @@ def set_native(engine: GenerationEngine, on: bool) -> None:
     lean.native_attention = on
 
 
+def time_kernels() -> None:
+    """One layer's decode attention, sdpa vs the C kernel, alternated."""
+    import torch
+
+    from atroposlib.inference.fastpath import native
+
+    torch.set_num_threads(2)
+    if not native.available():
+        raise SystemExit(f"the C kernel is not available: {native.unavailable_reason()}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def per_call(function, calls: int = 30) -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            function()
+        return (time.perf_counter() - started) / calls * 1000
+
+    for rows, length, dtype in (
+        (64, 150, torch.bfloat16),
+        (64, 250, torch.bfloat16),
+        (64, 250, torch.float32),
+        (128, 250, torch.bfloat16),
+        (16, 250, torch.bfloat16),
+    ):
+        gen = torch.Generator().manual_seed(0)
+        shape = (rows, 3, 400, 64)
+        keys = torch.randn(shape, generator=gen).to(dtype)[:, :, :length]
+        values = torch.randn(shape, generator=gen).to(dtype)[:, :, :length]
+        query = torch.randn(rows, 3, 3, 64, generator=gen).to(dtype)
+        lengths = torch.randint(length - 100, length, (rows,), generator=gen)
+        mask = torch.arange(length)[None, :] >= (length - lengths)[:, None]
+        mask4 = mask[:, None, None, :]
+        runs = {
+            "sdpa": functools.partial(sdpa, query, keys, values, attn_mask=mask4, scale=0.125),
+            "C kernel": functools.partial(
+                native.decode_attention, query, keys, values, mask, 0.125
+            ),
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for function in runs.values():
+            function()
+        for _ in range(7):
+            for name, function in runs.items():
+                times[name].append(per_call(function))
+        a, b = (statistics.median(times[name]) for name in runs)
+        print(
+            f"{rows} rows, {length} positions, {str(dtype).removeprefix('torch.')}: "
+            f"sdpa {a:.3f} ms, C kernel {b:.3f} ms per layer: {a / b:.2f}x",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -53,7 +110,11 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8, help="training groups per round")
     parser.add_argument("--rounds", type=int, default=2, help="counted rounds per setting")
     parser.add_argument("--loads", default="evaluation,training")
+    parser.add_argument("--kernel", action="store_true", help="time one layer's attention")
     args = parser.parse_args()
+    if args.kernel:
+        time_kernels()
+        return
 
     dtype = serving_dtype(args.dtype, args.threads)
     engine = start_engine(args.model, dtype, args.threads, logprobs_mode="processed_logprobs")
