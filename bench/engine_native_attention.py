@@ -1,4 +1,4 @@
-"""The lean decode step's attention: the C kernel (``fastpath.native``) or PyTorch's sdpa.
+"""The lean decode step's attention: the C kernel (``fastpath.native``) or PyTorch's.
 
 One engine, set up as ``atropos-serve`` runs it, switches its lean step's attention between
 rounds (alternating which goes first, after a warm-up round of each, not counted) on the
@@ -7,8 +7,9 @@ gsm8k-format recipe's two loads:
 * ``evaluation``: the first ``--items`` GSM8K test questions as ``gsm8k_server.py evaluate``
   sends them (greedy, at most 128 tokens, ``--concurrency`` in flight): the per-row layout;
 * ``training``: ``--groups`` GRPO groups of 16 replies (at most 128 tokens, temperature 0.4)
-  to GSM8K train questions, 8 in flight: prompts stored once per request (the C kernel
-  attends over the replies' own tokens).
+  to GSM8K train questions, 8 in flight: prompts stored once per request (the C kernel takes
+  each row's prompt and own tokens in one call; PyTorch's path is a matrix product per
+  request for the prompt, the rows' own tokens apart, joined in Python).
 
 It prints items/s or groups/s per round and the median ratio per load. ``--kernel`` times
 one layer's attention alone instead (64 and 128 rows, 3 key/value heads of 3 query heads,
@@ -131,7 +132,7 @@ def main() -> None:
             lambda prompts: training_round(engine, prompts, 8, 0.4),
         ),
     }
-    settings = {"C kernel": True, "sdpa": False}
+    settings = {"C kernel": True, "PyTorch": False}
     ratios = {}
     for load in args.loads.split(","):
         unit, prompts, run = loads[load]
@@ -148,9 +149,9 @@ def main() -> None:
                 if round_index:
                     rates[name].append(rate)
         medians = {name: statistics.median(values) for name, values in rates.items()}
-        ratios[load] = medians["C kernel"] / medians["sdpa"]
+        ratios[load] = medians["C kernel"] / medians["PyTorch"]
         print(
-            f"{load}: C kernel {medians['C kernel']:.3f}, sdpa {medians['sdpa']:.3f} {unit} "
+            f"{load}: C kernel {medians['C kernel']:.3f}, PyTorch {medians['PyTorch']:.3f} {unit} "
             f"(medians of {args.rounds}): {ratios[load]:.2f}x",
             flush=True,
         )

@@ -90,9 +90,13 @@ def test_shapes_it_does_not_take_are_named() -> None:
     assert not ok and "head size 72" in why
     ok, why = native.supports(torch.float32, 64, 17)
     assert not ok and "17 query heads" in why
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="are not keys'"):
         native.decode_attention(
             torch.zeros(2, 1, 1, 16), torch.zeros(2, 1, 5, 16), torch.zeros(2, 1, 4, 16), None, 1.0
+        )
+    with pytest.raises(ValueError, match="do not match the query"):
+        native.decode_attention(
+            torch.zeros(2, 1, 1, 16), torch.zeros(2, 2, 5, 16), torch.zeros(2, 2, 5, 16), None, 1.0
         )
     with pytest.raises(ValueError, match="mask"):
         native.decode_attention(
@@ -200,3 +204,39 @@ def test_it_stands_aside_with_a_reason(tmp_path: Path) -> None:
     failing, log = _probe(tmp_path, CC="false")
     assert not failing["available"] and "build or load failed" in failing["reason"]
     assert "WARNING" in log or "native kernels: off" in log
+
+
+@pytest.mark.parametrize("own_dtype", [torch.float32, torch.bfloat16])
+def test_a_shared_segment_and_the_rows_own_are_one_softmax(own_dtype: torch.dtype) -> None:
+    """The grouped layout's call: each row reads its request's prompt (shared by the
+    request's rows, float32, left-padded per request) and then its own generated tokens (left-
+    padded per row): the same as attention over the two laid end to end, per row."""
+    gen = torch.Generator().manual_seed(7)
+    requests, heads, group, dim, prompt, own = 3, 2, 3, 64, 20, 9
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0])
+    batch = len(rows)
+    prompt_keys = torch.randn(requests, heads, prompt, dim, generator=gen)
+    prompt_values = torch.randn(requests, heads, prompt, dim, generator=gen)
+    prompt_mask = torch.arange(prompt)[None, :] >= torch.tensor([0, 6, 13])[:, None]
+    own_keys = torch.randn(batch, heads, own + 4, dim, generator=gen).to(own_dtype)[:, :, :own]
+    own_values = torch.randn(batch, heads, own + 4, dim, generator=gen).to(own_dtype)[:, :, :own]
+    own_mask = torch.arange(own)[None, :] >= torch.randint(0, own, (batch,), generator=gen)[:, None]
+    query = torch.randn(batch, heads, group, dim, generator=gen)
+    out, lse = native.attend(
+        query,
+        [
+            native.Segment(prompt_keys, prompt_values, prompt_mask, rows),
+            native.Segment(own_keys, own_values, own_mask),
+        ],
+        0.125,
+    )
+    keys = torch.cat([prompt_keys[rows], own_keys.float()], dim=2)
+    values = torch.cat([prompt_values[rows], own_values.float()], dim=2)
+    mask = torch.cat([prompt_mask[rows], own_mask], dim=1)
+    want, want_lse = _reference(query, keys, values, mask, 0.125)
+    assert torch.allclose(out.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(lse.double(), want_lse, atol=2e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="rows must index"):
+        native.attend(
+            query, [native.Segment(prompt_keys, prompt_values, prompt_mask, rows + 1)], 1.0
+        )

@@ -81,20 +81,11 @@ def _own_part(
     values: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
-    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_part` over the rows' generated keys and values, stored in the model's dtype:
-    with ``mask`` (the rows' ``(rows, positions)`` bytes, 1 = attend) the C kernel
-    (:func:`.native.decode_attention`) on the scaled float32 ``query``; otherwise converted
-    to float32 while they are few, else PyTorch's flash kernel on ``native_query`` (unscaled,
-    the model's dtype). The C and flash kernels return the normalised output and the
-    log-sum-exp, the same triple with a weight total of 1."""
-    if mask is not None:
-        out, lse = native_kernels.decode_attention(
-            query, keys, values, None if bias is None else mask, 1.0
-        )
-        lse = lse.unsqueeze(-1)
-        return out, lse, torch.ones_like(lse)
+    converted to float32 while they are few, else PyTorch's flash kernel on ``native_query``
+    (unscaled, the model's dtype), whose normalised output and log-sum-exp are the same
+    triple with a weight total of 1."""
     if keys.dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= MANUAL_MAX_POSITIONS:
         return _part(query, keys.float(), values.float(), bias)
     mask = None
@@ -242,6 +233,7 @@ class GroupedBatch:
         self.own_width = int(self.own_mask.shape[1])
         self.slots = int(self.sample.max()) + 1 if len(self.sample) else 1
         self._prompt_bias = _bias(self.prompt_mask)
+        self._prompt_bytes = None if self._prompt_bias is None else self.prompt_mask.to(torch.uint8)
         self._prompt_lengths = self.prompt_mask.sum(dim=1)
 
     # ------------------------------------------------------------------ decoding
@@ -285,8 +277,9 @@ class GroupedBatch:
     ) -> torch.Tensor:
         """Store the new token's ``key``/``value`` ``(rows, kv_heads, 1, dim)`` in ``layer`` and
         return attention of ``query`` ``(rows, heads, 1, dim)`` over the row's prompt and
-        generated tokens, ``(rows, heads, dim)`` in the query's dtype. ``native``: the rows'
-        generated part goes through the C kernel (:mod:`.native`)."""
+        generated tokens, ``(rows, heads, dim)`` in the query's dtype. ``native``: both parts
+        in one call of the C kernel (:func:`.native.attend`, the prompt as a segment the
+        request's rows share) instead of PyTorch's matrix products joined in Python."""
         width = self.own_width
         own_k, own_v = self.own_keys[layer], self.own_values[layer]
         own_k[:, :, width] = key[:, :, 0]
@@ -294,6 +287,26 @@ class GroupedBatch:
         rows, heads, _, dim = query.shape
         kv_heads = key.shape[1]
         per_kv = heads // kv_heads
+        if native:
+            # One C call per layer: each row against its request's prompt (shared, float32)
+            # and its own generated tokens, one softmax over both.
+            segments = [
+                native_kernels.Segment(
+                    self.prompt_keys[layer],
+                    self.prompt_values[layer],
+                    self._prompt_bytes,
+                    self.group,
+                ),
+                native_kernels.Segment(
+                    own_k[:, :, : width + 1],
+                    own_v[:, :, : width + 1],
+                    None if self._own_bias is None else self._own_bytes,
+                ),
+            ]
+            out, _ = native_kernels.attend(
+                query.reshape(rows, kv_heads, per_kv, dim), segments, scale
+            )
+            return out.reshape(rows, heads, dim).to(query.dtype)
         q = query.reshape(rows, kv_heads, per_kv, dim).float().mul_(scale)
         # The prompt part: one multiply per request and key/value head, its rows' query heads
         # side by side (a slot per sample; slots of finished rows are zeros, never read back).
@@ -319,7 +332,6 @@ class GroupedBatch:
             own_v[:, :, : width + 1],
             self._own_bias,
             scale,
-            self._own_bytes if native else None,
         )
         # Both parts rescaled to the larger of their two maxima, then normalised together.
         top = torch.maximum(top_p, top_o)

@@ -30,11 +30,19 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["available", "decode_attention", "supports", "unavailable_reason"]
+__all__ = [
+    "Segment",
+    "attend",
+    "available",
+    "decode_attention",
+    "supports",
+    "unavailable_reason",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +101,20 @@ def _build(compiler: str) -> Path:
     return target
 
 
+class _Segment(ctypes.Structure):
+    # segment_t in decode_attention.c
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("dtype", ctypes.c_int64),
+        ("k_strides", ctypes.c_int64 * 4),
+        ("v_strides", ctypes.c_int64 * 4),
+        ("rowmap", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("length", ctypes.c_int64),
+    ]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     global _reason
@@ -112,23 +134,18 @@ def _library() -> ctypes.CDLL | None:
         _reason = f"build or load failed: {exc}"
         logger.warning("native kernels: off, %s; PyTorch's attention is used", _reason)
         return None
-    function = library.atropos_decode_attention
+    function = library.atropos_attend_segments
     function.restype = ctypes.c_int
     function.argtypes = [
         ctypes.c_void_p,  # query
-        ctypes.c_void_p,  # keys
-        ctypes.c_void_p,  # values
-        ctypes.c_int,  # dtype
-        ctypes.POINTER(ctypes.c_int64),  # key strides
-        ctypes.POINTER(ctypes.c_int64),  # value strides
-        ctypes.c_void_p,  # mask
+        ctypes.c_int64,  # batch
+        ctypes.c_int64,  # heads
+        ctypes.c_int64,  # group
+        ctypes.c_int64,  # dim
+        ctypes.POINTER(_Segment),
+        ctypes.c_int64,  # segments
         ctypes.c_void_p,  # out
         ctypes.c_void_p,  # lse
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
     ]
     return library
 
@@ -156,8 +173,106 @@ def supports(dtype: torch.dtype, head_dim: int, group: int) -> tuple[bool, str]:
     return True, ""
 
 
-def _strides(tensor: torch.Tensor) -> ctypes.Array:
-    return (ctypes.c_int64 * 4)(*tensor.stride())
+@dataclass(frozen=True)
+class Segment:
+    """Keys and values rows attend to, for :func:`attend`.
+
+    ``keys``/``values`` are ``(entries, kv_heads, length, dim)`` (float32 or bfloat16, any
+    strides but a contiguous last dimension); ``mask`` ``(entries, length)`` is True (or 1)
+    where a row attends (None: everywhere). Without ``rows`` entry ``i`` belongs to row
+    ``i``; with ``rows`` ``(batch,)`` (int64) row ``b`` reads entry ``rows[b]``, so several
+    rows can share one entry (a request's prompt, read by each of its samples)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+def attend(
+    query: torch.Tensor, segments: list[Segment], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``(batch, kv_heads, group, dim)`` (the query heads sharing a
+    key/value head, any float dtype, not yet scaled) over the keys of all ``segments`` in
+    order, one softmax over them all.
+
+    Returns the output ``(batch, kv_heads, group, dim)`` and the log-sum-exp of the scores
+    ``(batch, kv_heads, group)``, both float32; a row with nothing to attend gets zeros and
+    -inf. :func:`supports` says which dtypes and head shapes it takes."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    batch, heads, group, dim = query.shape
+    if not 1 <= len(segments) <= 4:
+        raise ValueError(f"1 to 4 segments, not {len(segments)}")
+    if scale == 1.0:
+        q = query.to(torch.float32).contiguous()
+    else:
+        q = query.to(torch.float32, copy=True, memory_format=torch.contiguous_format).mul_(scale)
+    keep = []  # what the C structures point into, alive until the call returns
+    structs = (_Segment * len(segments))()
+    for index, segment in enumerate(segments):
+        keys, values = segment.keys, segment.values
+        entries, length = keys.shape[0], keys.shape[2]
+        if keys.dim() != 4 or keys.shape[1] != heads or keys.shape[3] != dim:
+            raise ValueError(
+                f"segment {index}: keys {tuple(keys.shape)} do not match the query "
+                f"{tuple(query.shape)}"
+            )
+        if values.shape != keys.shape:
+            raise ValueError(
+                f"segment {index}: values {tuple(values.shape)} are not keys' {tuple(keys.shape)}"
+            )
+        if keys.dtype not in _DTYPES or values.dtype != keys.dtype:
+            raise ValueError(
+                f"segment {index}: keys and values must both be float32 or bfloat16, not "
+                f"{keys.dtype} and {values.dtype}"
+            )
+        if keys.stride(-1) != 1 or values.stride(-1) != 1:
+            keys, values = keys.contiguous(), values.contiguous()
+        rows = segment.rows
+        if rows is None:
+            if entries != batch:
+                raise ValueError(f"segment {index}: {entries} entries for {batch} rows")
+        else:
+            rows = rows.to(torch.int64).contiguous()
+            if rows.shape != (batch,):
+                raise ValueError(f"segment {index}: rows {tuple(rows.shape)} is not ({batch},)")
+            if batch and (int(rows.min()) < 0 or int(rows.max()) >= entries):
+                raise ValueError(f"segment {index}: rows must index its {entries} entries")
+        mask = segment.mask
+        if mask is not None:
+            if mask.shape != (entries, length):
+                raise ValueError(
+                    f"segment {index}: mask {tuple(mask.shape)} is not (entries, length) "
+                    f"{(entries, length)}"
+                )
+            mask = mask.to(torch.uint8).contiguous()  # no copy when it already is
+        keep.extend((keys, values, rows, mask))
+        struct = structs[index]
+        struct.keys, struct.values = keys.data_ptr(), values.data_ptr()
+        struct.dtype = _DTYPES[keys.dtype]
+        struct.k_strides[:] = keys.stride()
+        struct.v_strides[:] = values.stride()
+        struct.rowmap = rows.data_ptr() if rows is not None else None
+        struct.mask = mask.data_ptr() if mask is not None else None
+        struct.length = length
+    out = torch.empty((batch, heads, group, dim), dtype=torch.float32)
+    lse = torch.empty((batch, heads, group), dtype=torch.float32)
+    status = library.atropos_attend_segments(
+        q.data_ptr(),
+        batch,
+        heads,
+        group,
+        dim,
+        structs,
+        len(segments),
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
+    if status != 0:
+        raise RuntimeError(f"native decode attention failed ({status})")
+    return out, lse
 
 
 def decode_attention(
@@ -167,55 +282,7 @@ def decode_attention(
     mask: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` ``(batch, kv_heads, group, dim)`` (the query heads sharing a
-    key/value head, any float dtype, not yet scaled) over ``keys``/``values``
-    ``(batch, kv_heads, length, dim)`` (float32 or bfloat16, any strides), attending where
-    ``mask`` ``(batch, length)`` is True (None: everywhere).
-
-    Returns the output ``(batch, kv_heads, group, dim)`` and the log-sum-exp of the scores
-    ``(batch, kv_heads, group)``, both float32; a row with nothing to attend gets zeros and
-    -inf. :func:`supports` says which shapes and dtypes it takes."""
-    library = _library()
-    if library is None:
-        raise RuntimeError(f"native kernels unavailable: {_reason}")
-    batch, heads, group, dim = query.shape
-    length = keys.shape[2]
-    if keys.shape != (batch, heads, length, dim) or values.shape != keys.shape:
-        raise ValueError(
-            f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match the query "
-            f"{tuple(query.shape)}"
-        )
-    if values.dtype != keys.dtype or keys.dtype not in _DTYPES:
-        raise ValueError(f"keys and values must both be float32 or bfloat16, not {keys.dtype}")
-    if scale == 1.0:
-        q = query.to(torch.float32).contiguous()
-    else:
-        q = query.to(torch.float32, copy=True, memory_format=torch.contiguous_format).mul_(scale)
-    mask_bytes = None
-    if mask is not None:
-        if mask.shape != (batch, length):
-            raise ValueError(f"mask {tuple(mask.shape)} is not (batch, length) {(batch, length)}")
-        mask_bytes = mask.to(torch.uint8).contiguous()  # no copy when it already is
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        keys, values = keys.contiguous(), values.contiguous()
-    out = torch.empty((batch, heads, group, dim), dtype=torch.float32)
-    lse = torch.empty((batch, heads, group), dtype=torch.float32)
-    status = library.atropos_decode_attention(
-        q.data_ptr(),
-        keys.data_ptr(),
-        values.data_ptr(),
-        _DTYPES[keys.dtype],
-        _strides(keys),
-        _strides(values),
-        mask_bytes.data_ptr() if mask_bytes is not None else None,
-        out.data_ptr(),
-        lse.data_ptr(),
-        batch,
-        heads,
-        group,
-        length,
-        dim,
-    )
-    if status != 0:
-        raise RuntimeError(f"native decode attention failed ({status})")
-    return out, lse
+    """:func:`attend` over one segment: each row's own ``keys``/``values``
+    ``(batch, kv_heads, length, dim)``, attending where ``mask`` ``(batch, length)`` is True
+    (None: everywhere)."""
+    return attend(query, [Segment(keys, values, mask)], scale)

@@ -78,25 +78,125 @@ static inline float hsum(v16f x) {
     return x[0] + x[1];
 }
 
+/* Keys and values a row attends to: per row (entries = rows) or shared by several rows
+ * (``rowmap`` gives each row its entry), of ``length`` positions, ``mask`` (entries, length)
+ * bytes with 1 = attend (NULL: every position). Strides in elements; the last must be 1. */
+typedef struct {
+    const void *keys;
+    const void *values;
+    int64_t dtype; /* 0 float32, 1 bfloat16 */
+    int64_t k_strides[4];
+    int64_t v_strides[4];
+    const int64_t *rowmap;
+    const uint8_t *mask;
+    int64_t length;
+} segment_t;
+
+#define MAX_SEGMENTS 4
+
+static void attend_task(const float *q, int64_t b, int64_t h, int group, int dim,
+                        const segment_t *segs, int nseg, int64_t width, float *scores, float *o,
+                        float *lse) {
+    int nv = dim / 16;
+    v16f qv[MAX_GROUP][MAX_DIM / 16], row[MAX_DIM / 16], acc[MAX_GROUP][MAX_DIM / 16];
+    float top[MAX_GROUP], total[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        top[g] = -INFINITY;
+        total[g] = 0.0f;
+        for (int j = 0; j < nv; j++) {
+            memcpy(&qv[g][j], q + g * dim + 16 * j, sizeof(v16f));
+            acc[g][j] = (v16f){0};
+        }
+    }
+    /* pass 1: every segment's scores (masked positions -inf) and their maxima */
+    int64_t offset = 0;
+    for (int s = 0; s < nseg; s++) {
+        const segment_t *seg = &segs[s];
+        int64_t entry = seg->rowmap ? seg->rowmap[b] : b;
+        const uint8_t *m = seg->mask ? seg->mask + entry * seg->length : NULL;
+        int64_t base = entry * seg->k_strides[0] + h * seg->k_strides[1];
+        for (int64_t l = 0; l < seg->length; l++) {
+            float *column = scores + offset + l;
+            if (m && !m[l]) {
+                for (int g = 0; g < group; g++) column[g * width] = -INFINITY;
+                continue;
+            }
+            for (int j = 0; j < nv; j++)
+                row[j] = load16(seg->keys, (int)seg->dtype, base + l * seg->k_strides[2] + 16 * j);
+            for (int g = 0; g < group; g++) {
+                v16f dot = qv[g][0] * row[0];
+                for (int j = 1; j < nv; j++) dot += qv[g][j] * row[j];
+                float value = hsum(dot);
+                column[g * width] = value;
+                if (value > top[g]) top[g] = value;
+            }
+        }
+        offset += seg->length;
+    }
+    if (top[0] != -INFINITY) {
+        /* the weights, exp vectorised over positions (a masked -inf weighs 0) */
+        for (int g = 0; g < group; g++) {
+            float *w = scores + g * width, t = top[g], sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t l = 0; l < width; l++) {
+                w[l] = exp_nonpositive(w[l] - t);
+                sum += w[l];
+            }
+            total[g] = sum;
+        }
+        /* pass 2: the weighted sum of every segment's values */
+        offset = 0;
+        for (int s = 0; s < nseg; s++) {
+            const segment_t *seg = &segs[s];
+            int64_t entry = seg->rowmap ? seg->rowmap[b] : b;
+            const uint8_t *m = seg->mask ? seg->mask + entry * seg->length : NULL;
+            int64_t base = entry * seg->v_strides[0] + h * seg->v_strides[1];
+            for (int64_t l = 0; l < seg->length; l++) {
+                if (m && !m[l]) continue;
+                for (int j = 0; j < nv; j++)
+                    row[j] = load16(seg->values, (int)seg->dtype, base + l * seg->v_strides[2] + 16 * j);
+                for (int g = 0; g < group; g++) {
+                    float w = scores[g * width + offset + l];
+                    for (int j = 0; j < nv; j++) acc[g][j] += w * row[j];
+                }
+            }
+            offset += seg->length;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+        for (int j = 0; j < nv; j++) {
+            v16f scaled = acc[g][j] * inv;
+            memcpy(o + g * dim + 16 * j, &scaled, sizeof(v16f));
+        }
+        if (lse) lse[g] = total[g] > 0.0f ? top[g] + logf(total[g]) : -INFINITY;
+    }
+}
+
 /*
- * query:  (batch, heads, group, dim) float32, contiguous, already multiplied by the scale
- * keys, values: (batch, heads, length, dim) at the given strides (elements), dtype 0/1
- * mask:   (batch, length) bytes, 1 = attend, contiguous; NULL = every position
- * out:    (batch, heads, group, dim) float32, normalised
- * lse:    (batch, heads, group) float32: log of the sum of exp(score) (NULL: not wanted)
- * Returns 0, or -1 for shapes it does not take (dim > MAX_DIM, group > MAX_GROUP).
+ * query:    (batch, heads, group, dim) float32, contiguous, already multiplied by the scale
+ * segments: what each row attends to, in order (one softmax over all of them)
+ * out:      (batch, heads, group, dim) float32, normalised
+ * lse:      (batch, heads, group) float32: log of the sum of exp(score) (NULL: not wanted)
+ * Returns 0; -1 for shapes it does not take (dim not a multiple of 16 up to MAX_DIM, group
+ * over MAX_GROUP, too many segments, a last stride other than 1); -2 when out of memory.
  */
-int atropos_decode_attention(const float *query, const void *keys, const void *values, int dtype,
-                             const int64_t *k_strides, const int64_t *v_strides,
-                             const uint8_t *mask, float *out, float *lse, int64_t batch,
-                             int64_t heads, int64_t group, int64_t length, int64_t dim) {
-    if (dim > MAX_DIM || dim % 16 || group > MAX_GROUP || dim < 16 || group < 1) return -1;
-    if (k_strides[3] != 1 || v_strides[3] != 1) return -1; /* rows of contiguous elements */
+int atropos_attend_segments(const float *query, int64_t batch, int64_t heads, int64_t group,
+                            int64_t dim, const segment_t *segments, int64_t nseg, float *out,
+                            float *lse) {
+    if (dim > MAX_DIM || dim % 16 || dim < 16 || group > MAX_GROUP || group < 1) return -1;
+    if (nseg < 1 || nseg > MAX_SEGMENTS) return -1;
+    int64_t width = 0;
+    for (int s = 0; s < nseg; s++) {
+        if (segments[s].k_strides[3] != 1 || segments[s].v_strides[3] != 1) return -1;
+        if (segments[s].dtype != 0 && segments[s].dtype != 1) return -1;
+        width += segments[s].length;
+    }
     int64_t tasks = batch * heads;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (length > 0 ? length : 1)));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (width > 0 ? width : 1)));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -104,70 +204,9 @@ int atropos_decode_attention(const float *query, const void *keys, const void *v
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (scores == NULL) continue;
-            int64_t b = task / heads, h = task % heads;
-            const float *q = query + task * group * dim;
-            const uint8_t *m = mask ? mask + b * length : NULL;
-            int nv = (int)(dim / 16);
-            v16f qv[MAX_GROUP][MAX_DIM / 16], row[MAX_DIM / 16], acc[MAX_GROUP][MAX_DIM / 16];
-            float top[MAX_GROUP], total[MAX_GROUP];
-            for (int g = 0; g < group; g++) {
-                top[g] = -INFINITY;
-                for (int j = 0; j < nv; j++) {
-                    memcpy(&qv[g][j], q + g * dim + 16 * j, sizeof(v16f));
-                    acc[g][j] = (v16f){0};
-                }
-            }
-            int64_t kbase = b * k_strides[0] + h * k_strides[1];
-            int64_t vbase = b * v_strides[0] + h * v_strides[1];
-            /* pass 1: scores and their maxima */
-            for (int64_t l = 0; l < length; l++) {
-                if (m && !m[l]) {
-                    for (int g = 0; g < group; g++) scores[g * length + l] = -INFINITY;
-                    continue;
-                }
-                for (int j = 0; j < nv; j++) row[j] = load16(keys, dtype, kbase + l * k_strides[2] + 16 * j);
-                for (int g = 0; g < group; g++) {
-                    v16f dot = qv[g][0] * row[0];
-                    for (int j = 1; j < nv; j++) dot += qv[g][j] * row[j];
-                    float s = hsum(dot);
-                    scores[g * length + l] = s;
-                    if (s > top[g]) top[g] = s;
-                }
-            }
-            /* pass 2: weights (exp vectorised over positions; masked ones weigh 0), then the
-               weighted sum of the values */
-            for (int g = 0; g < group; g++) {
-                float *w = scores + g * length, t = top[g], sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t l = 0; l < length; l++) {
-                    float e = exp_nonpositive(w[l] - t);
-                    w[l] = (m && !m[l]) ? 0.0f : e;
-                    sum += w[l];
-                }
-                total[g] = sum;
-            }
-            if (top[0] != -INFINITY) {
-                for (int64_t l = 0; l < length; l++) {
-                    if (m && !m[l]) continue;
-                    for (int j = 0; j < nv; j++) row[j] = load16(values, dtype, vbase + l * v_strides[2] + 16 * j);
-                    for (int g = 0; g < group; g++) {
-                        float w = scores[g * length + l];
-                        for (int j = 0; j < nv; j++) acc[g][j] += w * row[j];
-                    }
-                }
-            }
-            float *o = out + task * group * dim;
-            for (int g = 0; g < group; g++)
-                for (int j = 0; j < nv; j++) memcpy(o + g * dim + 16 * j, &acc[g][j], sizeof(v16f));
-            for (int g = 0; g < group; g++) {
-                float *og = o + g * dim;
-                if (total[g] > 0.0f) {
-                    float inv = 1.0f / total[g];
-#pragma omp simd
-                    for (int d = 0; d < dim; d++) og[d] *= inv;
-                }
-                if (lse) lse[task * group + g] = total[g] > 0.0f ? top[g] + logf(total[g]) : -INFINITY;
-            }
+            attend_task(query + task * group * dim, task / heads, task % heads, (int)group,
+                        (int)dim, segments, (int)nseg, width, scores, out + task * group * dim,
+                        lse ? lse + task * group : NULL);
         }
         free(scores);
     }
