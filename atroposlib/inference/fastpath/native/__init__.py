@@ -1,7 +1,9 @@
 """Small C kernels for the engine's decode step, compiled on first use and loaded with ctypes.
 
-The one kernel so far is single-token attention (:func:`decode_attention`,
-``decode_attention.c``). PyTorch's CPU attention runs one flash-attention block per row and
+The one kernel so far is single-token attention (:func:`attend`, :func:`decode_attention`;
+``decode_attention.c``): each row's query heads against one or more segments of keys and
+values, one softmax over all of them, a segment either the row's own or shared by several rows
+(the grouped layout's prompt, once per request). PyTorch's CPU attention runs one flash-attention block per row and
 key/value head; with the handful of query rows of a grouped-query decode step and a few
 hundred cached keys, setting each block up costs more than its arithmetic. At 64 rows of
 SmolLM2-135M (bfloat16, ~250 cached positions, 2 threads) that attention was a third of a decode

@@ -3,7 +3,9 @@
  * atropos-serve's engine (atroposlib/inference/fastpath/native/__init__.py builds and loads it).
  *
  * Every row b and key/value head h holds G query rows (the query heads sharing that key/value
- * head, already scaled) against the row's L cached keys and values. PyTorch's CPU flash kernel
+ * head, already scaled) against the row's cached keys and values: one or more segments, each
+ * the row's own or an entry several rows share (a request's prompt), one softmax over all of
+ * them. PyTorch's CPU flash kernel
  * does the same work as one tiny block per (b, h); at G = 3 and a few hundred keys its set-up
  * costs more than the arithmetic. Here each (b, h) is two passes over its keys and values:
  * scores into a buffer, then the softmax-weighted sum of the values, float32 throughout (as
