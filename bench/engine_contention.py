@@ -86,7 +86,7 @@ def serving_dtype(dtype: str, threads: int) -> str:
 
 def alternate(
     engine: GenerationEngine,
-    attribute: str,
+    attribute: str | Callable[[Any], None],
     settings: Mapping[str, Any],
     run: Callable[[], float],
     rounds: int,
@@ -94,7 +94,8 @@ def alternate(
     unit: str,
 ) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
     """``run()`` (a rate) once per setting per round with the engine's ``attribute`` set to
-    ``settings[name]``, alternating which setting goes first, after a warm-up round of each
+    ``settings[name]`` (or ``attribute(settings[name])`` called, for a setting that is not an
+    engine attribute), alternating which setting goes first, after a warm-up round of each
     (not counted); prints each rate in ``unit``. Returns per setting its rates and how much
     each of the engine's ``counted`` stats grew in its counted rounds."""
     rates: dict[str, list[float]] = {name: [] for name in settings}
@@ -102,7 +103,10 @@ def alternate(
     for round_index in range(rounds + 1):
         order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
         for name in order:
-            setattr(engine, attribute, settings[name])
+            if callable(attribute):
+                attribute(settings[name])
+            else:
+                setattr(engine, attribute, settings[name])
             before = dict(engine.stats)
             rate = run()
             if round_index == 0:

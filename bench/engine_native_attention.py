@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "environments"))
 
-from engine_contention import serving_dtype, start_engine  # noqa: E402
+from engine_contention import alternate, serving_dtype, start_engine  # noqa: E402
 from engine_max_batch import run_round as training_round  # noqa: E402
 from engine_prefill_split import gsm8k_prompts  # noqa: E402
 from engine_prefill_split import run_round as evaluation_round  # noqa: E402
@@ -133,26 +133,22 @@ def main() -> None:
         ),
     }
     settings = {"C kernel": True, "PyTorch": False}
-    ratios = {}
     for load in args.loads.split(","):
         unit, prompts, run = loads[load]
-        rates: dict[str, list[float]] = {name: [] for name in settings}
-        for round_index in range(args.rounds + 1):
-            order = list(settings) if round_index % 2 == 0 else list(reversed(settings))
-            for name in order:
-                set_native(engine, settings[name])
-                started = time.perf_counter()
-                rate = asyncio.run(run(prompts))
-                seconds = time.perf_counter() - started
-                tag = "warm-up" if round_index == 0 else f"round {round_index}"
-                print(f"{load}, {name}, {tag}: {rate:.3f} {unit} ({seconds:.1f} s)", flush=True)
-                if round_index:
-                    rates[name].append(rate)
-        medians = {name: statistics.median(values) for name, values in rates.items()}
-        ratios[load] = medians["C kernel"] / medians["PyTorch"]
+        print(f"{load}:", flush=True)
+        rates, _ = alternate(
+            engine,
+            lambda on: set_native(engine, on),
+            settings,
+            lambda: asyncio.run(run(prompts)),  # noqa: B023 - called before the loop moves on
+            args.rounds,
+            (),
+            unit,
+        )
+        kernel, torch_path = (statistics.median(rates[name]) for name in settings)
         print(
-            f"{load}: C kernel {medians['C kernel']:.3f}, PyTorch {medians['PyTorch']:.3f} {unit} "
-            f"(medians of {args.rounds}): {ratios[load]:.2f}x",
+            f"{load}: C kernel {kernel:.3f}, PyTorch {torch_path:.3f} {unit} "
+            f"(medians of {args.rounds}): {kernel / torch_path:.2f}x",
             flush=True,
         )
     engine.shutdown()
