@@ -8,7 +8,10 @@ for the end (a final evaluation) would still end within the budget. If not, that
 last one: it is saved as ``final_model`` and synced like any last step. The wait for the next
 batch is bounded too: a batch that does not come while its training and the end would still fit
 (late in a run most groups can score alike and be dropped, so one wait can take minutes) ends
-training at the step before it. The step being trained always finishes, so the budget is a
+training at the step before it. Before ``min_steps`` the trainer waits until the budget has run
+out, and at least ``patience`` for each batch (2 minutes, or a quarter of a shorter budget): a batch that has not come by then ends
+training short of ``min_steps`` with a warning (an environment whose groups all score alike
+sends none, however long it runs). The step being trained always finishes, so the budget is a
 target, not a hard limit.
 """
 
@@ -90,6 +93,7 @@ class TimeBudget:
         started: float | None = None,
         reserve: Callable[[], float] | None = None,
         window: int = 5,
+        patience: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.seconds = parse_duration(seconds)
@@ -98,6 +102,8 @@ class TimeBudget:
         self.started = clock() if started is None else started
         self.reserve = reserve
         self.window = window
+        #: the least a wait for a batch before ``min_steps`` lasts, even past the deadline
+        self.patience = min(120.0, self.seconds / 4) if patience is None else patience
         self.durations: list[float] = []
         #: each step's wall time less its wait for the batch
         self.work: list[float] = []
@@ -123,17 +129,30 @@ class TimeBudget:
     def wait_left(self, step: int) -> float | None:
         """How long the trainer may wait for the batch of step ``step + 1`` (``step`` steps
         taken): until its training (the median of the last steps' work) and the reserve would
-        no longer end within the budget. None: wait as long as it takes (before the first step
-        and before ``min_steps``, which are always taken)."""
-        if step < max(1, self.min_steps):
+        no longer end within the budget. Before ``min_steps``: until the deadline, and at
+        least :attr:`patience`. None: wait as long as it takes (for the first batch, which
+        waits for the environments and servers to start)."""
+        if step < 1:
             return None
+        if step < self.min_steps:
+            return max(self.deadline - self.clock(), self.patience)
         recent = self.work[-self.window :]
         work = statistics.median(recent) if recent else 0.0
         return self.deadline - self.clock() - work - self._reserve()
 
     def stop_waiting(self, step: int, waited: float) -> None:
-        """No batch came within :meth:`wait_left`: training ends at ``step``, the step before."""
+        """No batch came within :meth:`wait_left`: training ends at ``step``, the step before
+        (short of ``min_steps`` with a warning)."""
         self.stopped_at = step
+        if step < self.min_steps:
+            self.reason = (
+                f"time budget {format_duration(self.seconds)}: no batch for step {step + 1} "
+                f"within {format_duration(waited)} of waiting, {step} of min_steps "
+                f"{self.min_steps} taken (does the environment still send groups? one whose "
+                "groups all score alike drops them all)"
+            )
+            logger.warning("step %d is the last one: %s", step, self.reason)
+            return
         self.reason = (
             f"time budget {format_duration(self.seconds)}: no batch for step {step + 1} within "
             f"{format_duration(waited)} of waiting, the time its training"

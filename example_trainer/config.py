@@ -69,7 +69,10 @@ class TrainingConfig(BaseModel):
     min_steps: int = Field(
         default=0,
         ge=0,
-        description="Steps taken whatever max_time says (Lightning's min_steps).",
+        description="Steps taken whatever max_time says (Lightning's min_steps), as long as "
+        "batches come: a batch that has not come when max_time is spent (and after at least "
+        "2 min, or a quarter of a shorter max_time) ends training short of them, with a "
+        "warning.",
     )
     batch_size: int = Field(
         default=2,
@@ -91,6 +94,15 @@ class TrainingConfig(BaseModel):
     )
     max_grad_norm: float = Field(
         default=1.0, gt=0, description="Gradient clipping: the global L2 norm is scaled to this."
+    )
+    skip_grad_spikes: float | None = Field(
+        default=None,
+        gt=1,
+        description="Skip the optimizer step (the batch is trained on, the weights do not "
+        "move) when the gradient norm before clipping is more than this many times the median "
+        "of the last steps' norms (OLMo's skipped steps, with a median for runs of tens of "
+        "steps). Needs 4 earlier steps; each skip is logged (grad_spike_skipped) and warned "
+        "about. null: never skip.",
     )
     device: str = Field(
         default_factory=_default_device,
@@ -177,6 +189,15 @@ class TrainingConfig(BaseModel):
         default=0.2,
         ge=0,
         description="PPO/GRPO clip range: the importance ratio is clipped to [1-eps, 1+eps].",
+    )
+    clip_delta: float | None = Field(
+        default=3.0,
+        description="Cap on the unclipped importance ratio (dual or two-sided clipping; TRL's "
+        "delta, verl's clip_ratio_c, whose default 3.0 this is). It changes only tokens with a "
+        "negative advantage whose probability grew more than this many times since they were "
+        "sampled: their loss stays bounded and they add no gradient (in a batch sampled a step "
+        "or more ago one such token can otherwise dominate the clipped gradient). Must exceed "
+        "1 + clip_eps; null: the standard GRPO loss.",
     )
     loss_normalization: Literal["sequence", "token"] = Field(
         default="sequence",
@@ -394,6 +415,11 @@ class TrainingConfig(BaseModel):
         if self.min_steps > self.training_steps:
             raise ValueError(
                 f"min_steps ({self.min_steps}) is more than training_steps ({self.training_steps})"
+            )
+        if self.clip_delta is not None and not self.clip_delta > 1.0 + self.clip_eps:
+            raise ValueError(
+                f"clip_delta ({self.clip_delta}) must be greater than 1 + clip_eps "
+                f"({1.0 + self.clip_eps}), or null to turn it off"
             )
         if self.reference_model is not None and self.kl_coef == 0:
             raise ValueError("reference_model is set but kl_coef is 0: set kl_coef > 0")

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -236,6 +237,7 @@ def train_step(
     ref_model: torch.nn.Module | None = None,
     *,
     fast: bool = True,
+    recent_grad_norms: Sequence[float] = (),
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of ``batch``, clip, and take one optimizer step.
 
@@ -243,6 +245,8 @@ def train_step(
     A batch with nothing to train (every sequence skipped for a zero advantage) takes no
     optimizer step: AdamW would still move the weights on momentum and weight decay alone. The
     learning-rate schedule advances with the optimizer steps (warm-up counts steps taken).
+    ``recent_grad_norms``: the earlier steps' gradient norms, for ``config.skip_grad_spikes``
+    (:func:`is_grad_spike`); a spike takes no optimizer step and sets ``grad_spike_skipped``.
     """
     model.train()
     device = config.device
@@ -268,6 +272,7 @@ def train_step(
                 mb.old_logprobs.to(device),
                 ref_logp,
                 clip_eps=config.clip_eps,
+                clip_delta=config.clip_delta,
                 kl_coef=config.kl_coef,
                 normalization=config.loss_normalization,
                 num_sequences=batch.num_sequences,
@@ -282,14 +287,22 @@ def train_step(
         loss_total += loss.item()
         weight = float(mb.mask.sum()) / max(run_tokens, 1.0)
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value * weight
+            if key.endswith("_max"):  # a maximum over the micro-batches, not a mean
+                sums[key] = max(sums.get(key, value), value)
+            else:
+                sums[key] = sums.get(key, 0.0) + value * weight
     stepped = bool(batch.micro_batches)
     grad_norm = 0.0
+    spike = False
     optimizer_started = time.perf_counter()
     if stepped:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
-        optimizer.step()
-        scheduler.step()
+        spike = is_grad_spike(grad_norm, recent_grad_norms, config.skip_grad_spikes)
+        if spike:
+            stepped = False
+        else:
+            optimizer.step()
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     optimizer_seconds = time.perf_counter() - optimizer_started
     if report is not None:
@@ -299,6 +312,7 @@ def train_step(
         "grad_norm": grad_norm,
         "learning_rate": scheduler.get_last_lr()[0],
         "optimizer_step": float(stepped),
+        **({"grad_spike_skipped": float(spike)} if config.skip_grad_spikes else {}),
         # where train_seconds goes (forward includes the loss)
         "forward_seconds": forward_seconds,
         "backward_seconds": backward_seconds,
@@ -310,6 +324,25 @@ def train_step(
             else {}
         ),
     }
+
+
+#: earlier steps whose gradient norms :func:`is_grad_spike` needs before it judges a step
+GRAD_SPIKE_MIN_HISTORY = 4
+#: the most recent steps whose median a gradient norm is compared with
+GRAD_SPIKE_WINDOW = 8
+
+
+def is_grad_spike(grad_norm: float, recent: Sequence[float], factor: float | None) -> bool:
+    """Whether ``grad_norm`` (before clipping) is a spike to skip: more than ``factor`` times
+    the median of the last :data:`GRAD_SPIKE_WINDOW` of ``recent`` (the norms of earlier steps
+    that took an optimizer step). Never with ``factor`` None or fewer than
+    :data:`GRAD_SPIKE_MIN_HISTORY` earlier norms; a norm that is not finite is always one once
+    skipping is on (clipping cannot rescue it)."""
+    if factor is None or len(recent) < GRAD_SPIKE_MIN_HISTORY:
+        return False
+    if not math.isfinite(grad_norm):
+        return True
+    return grad_norm > factor * statistics.median(recent[-GRAD_SPIKE_WINDOW:])
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -425,6 +458,8 @@ def train(
     #: evaluations pinned to a step's weights, not logged yet: request id -> step
     evals_pending: dict[int, int] = {}
     eval_every = config.eval_every
+    #: gradient norms of the steps that moved the weights, for skip_grad_spikes
+    grad_norms: list[float] = []
     final: Path | None = None
     try:
         launching = config.inference == "vllm" and config.launch_vllm
@@ -447,7 +482,9 @@ def train(
             log.status(f"step {step + 1}: waiting for a batch")
             waited = time.monotonic()
             wait_left = budget.wait_left(step) if budget is not None else None
-            if wait_left is not None and wait_left < config.batch_timeout:
+            if wait_left is not None and (
+                config.batch_timeout is None or wait_left < config.batch_timeout
+            ):
                 groups = _batch_within(api, max(0.0, wait_left))
                 if groups is None:  # the budget ran out while waiting: the last step was
                     assert budget is not None
@@ -478,7 +515,27 @@ def train(
                     len(batch.group_scores),
                     " (no optimizer step)" if not batch.micro_batches else "",
                 )
-            metrics = train_step(model, optimizer, scheduler, batch, config, ref_model, fast=fast)
+            metrics = train_step(
+                model,
+                optimizer,
+                scheduler,
+                batch,
+                config,
+                ref_model,
+                fast=fast,
+                recent_grad_norms=grad_norms,
+            )
+            if metrics.get("grad_spike_skipped"):
+                logger.warning(
+                    "step %d: gradient norm %.3g is more than %g times the median of the last "
+                    "steps' (%.3g): optimizer step skipped (skip_grad_spikes), the weights stay",
+                    step + 1,
+                    metrics["grad_norm"],
+                    config.skip_grad_spikes,
+                    statistics.median(grad_norms[-GRAD_SPIKE_WINDOW:]),
+                )
+            elif metrics["optimizer_step"]:
+                grad_norms.append(metrics["grad_norm"])
             train_seconds = time.monotonic() - started
             step += 1
             if not math.isfinite(metrics["loss"]):

@@ -55,6 +55,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     *,
     clip_eps: float = 0.2,
+    clip_delta: float | None = None,
     kl_coef: float = 0.0,
     normalization: Literal["sequence", "token"] = "sequence",
     num_sequences: int | None = None,
@@ -73,7 +74,13 @@ def grpo_loss(
 
         \mathrm{KL}_{i,t} = e^{\log\pi_{ref} - \log\pi_\theta} - (\log\pi_{ref} - \log\pi_\theta) - 1
 
-    (the non-negative "k3" estimator of KL(pi_theta || pi_ref)). Normalisation:
+    (the non-negative "k3" estimator of KL(pi_theta || pi_ref)). With ``clip_delta`` = :math:`\delta`
+    the unclipped ratio is also capped, :math:`r_{i,t} \to \min(r_{i,t}, \delta)` in the first
+    term (two-sided or dual clipping: TRL's ``delta``, verl's ``clip_ratio_c``, INTELLECT-2).
+    It changes only tokens with :math:`A < 0` whose probability has grown more than
+    :math:`\delta`-fold since sampling: their loss, otherwise :math:`r|A|` and unbounded, stays
+    :math:`\delta|A|` and they add no gradient. Such tokens turn up in batches sampled a policy
+    or more ago, and one of them can dominate a clipped gradient. Normalisation:
 
     - ``sequence`` (GRPO, upstream): :math:`L = \frac{1}{G}\sum_i \frac{1}{|o_i|}\sum_t L_{i,t}`
     - ``token`` (DAPO): :math:`L = \frac{1}{\sum_i |o_i|}\sum_i\sum_t L_{i,t}`
@@ -91,6 +98,8 @@ def grpo_loss(
         old_logprobs: ``[B, T]`` sampling-time log-probabilities, NaN where unknown, or None.
         ref_logprobs: ``[B, T]`` reference-model log-probabilities (needed when kl_coef > 0).
         clip_eps: the clip range epsilon.
+        clip_delta: cap on the unclipped ratio (above), or None for the standard loss; must be
+            greater than ``1 + clip_eps``.
         kl_coef: beta, the weight of the KL term.
         normalization: ``sequence`` or ``token`` (see above).
         num_sequences: sequences in the whole optimizer batch (default: B). Set it when a batch
@@ -100,8 +109,11 @@ def grpo_loss(
     Returns:
         The scalar loss and float metrics: ``mean_ratio``, ``clipped_fraction``, ``kl``,
         ``logprob`` (mean over trained tokens), ``offpolicy_fraction`` (tokens that had old
-        log-probabilities).
+        log-probabilities), ``ratio_max`` (the largest ratio of a trained token) and
+        ``delta_clipped_fraction`` (tokens ``clip_delta`` capped; 0 without it).
     """
+    if clip_delta is not None and not clip_delta > 1.0 + clip_eps:
+        raise ValueError(f"clip_delta must be greater than 1 + clip_eps, got {clip_delta}")
     mask = mask.float()
     if old_logprobs is None:
         old_logprobs = torch.full_like(logprobs, float("nan"))
@@ -109,7 +121,8 @@ def grpo_loss(
     old = torch.where(known, old_logprobs, logprobs.detach())
     ratio = torch.exp(logprobs - old)
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    capped = ratio if clip_delta is None else ratio.clamp(max=clip_delta)
+    per_token = -torch.min(capped * advantages, clipped * advantages)
 
     kl = torch.zeros_like(logprobs)
     if kl_coef > 0:
@@ -138,5 +151,11 @@ def grpo_loss(
             "kl": float((kl * mask).sum() / n),
             "logprob": float((logprobs * mask).sum() / n),
             "offpolicy_fraction": float((known.float() * mask).sum() / n),
+            "ratio_max": float(torch.where(mask > 0, ratio, 0.0).max()) if mask.any() else 1.0,
+            "delta_clipped_fraction": (
+                float((((ratio > clip_delta) & (advantages < 0)).float() * mask).sum() / n)
+                if clip_delta is not None
+                else 0.0
+            ),
         }
     return loss, metrics

@@ -31,6 +31,7 @@ output folder. Every child is stopped on exit, on Ctrl-C and on SIGTERM.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import json
 import logging
 import os
@@ -87,7 +88,9 @@ class QuickstartOptions(BaseModel):
         0,
         ge=0,
         description="Steps taken whatever --max-time says (more than --steps counts as --steps, "
-        "so that --steps 5 with a recipe's --min-steps runs 5).",
+        "so that --steps 5 with a recipe's --min-steps runs 5), as long as batches come: a "
+        "batch that has not come when the budget is spent (and after at least 2 min) ends the "
+        "run short of them, with a warning.",
     )
     trainer: Literal["grpo", "trl"] = Field(
         "grpo",
@@ -809,6 +812,12 @@ def _summary(
         lines.append(f"  steps         {budget.stopped_at} of up to {args.steps} ({budget.reason})")
     elif budget is not None and completed:
         lines.append(f"  steps         all {args.steps} within the time budget")
+    spikes = _spike_steps(metrics)
+    if spikes:
+        lines.append(
+            f"  skipped       {len(spikes)} optimizer step(s) for a gradient spike (step "
+            f"{', '.join(map(str, spikes))}; skip_grad_spikes)"
+        )
     before, after = out / "eval_before.json", out / "eval_after.json"
     if before.is_file() and after.is_file():
         from example_trainer.report import before_after_table, read_eval_metrics
@@ -819,6 +828,18 @@ def _summary(
         )
         lines.append("\n" + table)
     print("\n".join(lines), file=sys.stderr)
+
+
+def _spike_steps(metrics: Path) -> list[int]:
+    """The steps of ``metrics.jsonl`` whose optimizer step was skipped for a gradient spike."""
+    steps = []
+    with contextlib.suppress(OSError):
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                record = json.loads(line)
+                if record.get("grad_spike_skipped"):
+                    steps.append(int(record["step"]))
+    return steps
 
 
 _interrupted = False

@@ -100,7 +100,11 @@ RECIPES: dict[str, Recipe] = {
             "env.ensure_scores_are_not_same=true",
             "env.max_batches_offpolicy=1",
         ],
-        trainer_args=["checkpoint_interval=10", "pause_generation=true"],
+        trainer_args=[
+            "checkpoint_interval=10",
+            "pause_generation=true",
+            "skip_grad_spikes=2.5",
+        ],
         trl_flags={"steps": 13, "min_steps": 0, "max_time": None},
     ),
 }

@@ -17,6 +17,7 @@ TrainingConfig                    GRPOConfig
 ``gradient_accumulation_steps``   ``gradient_accumulation_steps``
 ``max_grad_norm``, ``seed``       the same
 ``clip_eps``, ``kl_coef``         ``epsilon``, ``beta``
+``clip_delta``                    ``delta``
 ``loss_normalization``            ``loss_type``: ``grpo`` (sequence) or ``dapo`` (token)
 ``pause_generation``              :class:`AtroposGRPOTrainer` ``pause_generation``
 ================================  ===========================================================
@@ -67,6 +68,7 @@ def grpo_config(config: TrainingConfig, *, num_generations: int, temperature: fl
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
         epsilon=config.clip_eps,
+        delta=config.clip_delta,
         beta=config.kl_coef,
         loss_type="grpo" if config.loss_normalization == "sequence" else "dapo",
         # activations are small at these sizes; recomputing them costs a third more compute
@@ -116,6 +118,9 @@ def train_trl(
     # user can act on
     warnings.filterwarnings("ignore", message=r".*gradient_checkpointing.* is deprecated")
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
+    if config.skip_grad_spikes is not None:
+        # a recipe's setting for the GRPO trainer; TRL's Trainer steps its optimizer itself
+        logger.info("skip_grad_spikes is the GRPO trainer's: TRL takes every optimizer step")
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     save_path = config.save_dir()

@@ -400,3 +400,21 @@ def test_trl_adapter_passes_the_trainer_conformance_check(tmp_path: Path, tiny_m
     checked = {r.name for r in result.rules if r.status != "skip"}
     assert {"advantage_value", "explicit_advantages", "set_advantage_to_zero"} <= checked
     assert {"multi_turn_masks", "redelivery", "ack", "weights"} <= checked
+
+
+def test_the_quick_starts_trl_config_carries_the_loss_settings(tmp_path: Path) -> None:
+    """``--trainer trl`` maps the GRPO trainer's loss settings onto TRL's own: ``clip_eps`` to
+    ``epsilon``, ``clip_delta`` (dual clipping, on by default) to ``delta``, whose loss is the
+    one ``example_trainer.loss.grpo_loss`` computes (``coef_1`` capped at delta)."""
+    from example_trainer.config import TrainingConfig
+    from example_trainer.trl_train import grpo_config
+
+    base = {"model_name": "m", "device": "cpu", "save_path": str(tmp_path), "dtype": "float32"}
+    config = grpo_config(TrainingConfig(**base), num_generations=4, temperature=0.7)
+    assert (config.epsilon, config.delta, config.beta) == (0.2, 3.0, 0.0)
+    config = grpo_config(
+        TrainingConfig(**base, clip_eps=0.3, clip_delta=None, kl_coef=0.01),
+        num_generations=4,
+        temperature=0.7,
+    )
+    assert (config.epsilon, config.delta, config.beta) == (0.3, None, 0.01)

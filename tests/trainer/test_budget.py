@@ -134,10 +134,11 @@ def test_quickstart_flags() -> None:
 def test_the_wait_for_a_batch_is_bounded_by_what_its_training_and_the_end_need() -> None:
     clock = _Clock()
     budget = TimeBudget(300, min_steps=2, clock=clock, reserve=lambda: 60.0)
-    assert budget.wait_left(0) is None  # the first step and min_steps wait as long as it takes
+    assert budget.wait_left(0) is None  # the first batch waits as long as it takes
     clock.now += 50.0
     budget.record(50.0, waited=40.0)  # 10 s of work
-    assert budget.wait_left(1) is None
+    # below min_steps: until the deadline (250 s away), whatever the training and the end need
+    assert budget.wait_left(1) == pytest.approx(250.0)
     clock.now += 30.0
     budget.record(30.0, waited=18.0)  # 12 s of work
     # 80 s used: 220 s left, less ~11 s of training and the 60-s reserve
@@ -149,3 +150,24 @@ def test_the_wait_for_a_batch_is_bounded_by_what_its_training_and_the_end_need()
         "time budget 5 min 0 s: no batch for step 3 within 2 min 29 s of waiting, the time its "
         "training and the end still had"
     )
+
+
+def test_below_min_steps_a_batch_that_never_comes_ends_training_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An environment whose groups all score alike sends no batch at all: before min_steps the
+    wait lasts until the deadline, and at least ``patience``, then training ends short of
+    min_steps and says so (it used to wait without end)."""
+    clock = _Clock()
+    budget = TimeBudget(100, min_steps=10, clock=clock, patience=30.0)
+    clock.now += 20.0
+    budget.record(20.0, waited=5.0)
+    assert budget.wait_left(1) == pytest.approx(80.0)
+    clock.now += 95.0  # past the deadline: still the patience
+    assert budget.wait_left(1) == pytest.approx(30.0)
+    with caplog.at_level("WARNING", logger="example_trainer.budget"):
+        budget.stop_waiting(1, 125.0)
+    assert budget.stopped_at == 1
+    assert "1 of min_steps 10 taken" in budget.reason
+    assert "no batch for step 2 within 2 min 5 s" in budget.reason
+    assert any(r.levelname == "WARNING" and "min_steps" in r.getMessage() for r in caplog.records)

@@ -401,11 +401,21 @@ def test_resume_continues_the_step_count(tmp_path: Path, start_api, tiny_model_d
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("min_steps", "extra", "reason"),
+    [
+        ("1", ["--batch-timeout", "600"], "the time its training still had"),
+        # below min_steps, and no --batch-timeout (which used to mean waiting without end)
+        ("4", [], "2 of min_steps 4 taken"),
+    ],
+)
 def test_time_budget_ends_training_when_no_batch_comes_in_time(
-    tmp_path: Path, start_api, tiny_model_dir: Path
+    tmp_path: Path, start_api, tiny_model_dir: Path, min_steps: str, extra: list[str], reason: str
 ) -> None:
     """``--max-time``: with data for two steps of five, the trainer does not wait for a third
-    batch past its budget: step 2 becomes the last (final_model), the reason is logged."""
+    batch past its budget: step 2 becomes the last (final_model), the reason is logged. Below
+    ``--min-steps`` it waits until the budget is spent (and at least a quarter of it), then
+    ends all the same, with a warning."""
     api = start_api()
     for group in _tokenized_groups(4):  # two batches of 2 groups
         assert httpx.post(api.url + "/scored_data", json=group).status_code == 200
@@ -414,7 +424,7 @@ def test_time_budget_ends_training_when_no_batch_comes_in_time(
     result = subprocess.run(
         _trainer_cmd(
             tiny_model_dir, api.url, save_path, "--training-steps", "5", "--inference", "none",
-            "--max-time", "40", "--min-steps", "1", "--batch-timeout", "600",
+            "--max-time", "40", "--min-steps", min_steps, *extra,
         ),
         capture_output=True,
         text=True,
@@ -426,7 +436,8 @@ def test_time_budget_ends_training_when_no_batch_comes_in_time(
     assert [m["step"] for m in _metrics(save_path)] == [1, 2]
     assert (save_path / "final_model" / "model.safetensors").is_file()
     assert "step 2 is the last one: time budget 40 s: no batch for step 3 within " in result.stderr
-    assert took < 120  # not the 600-s batch timeout
+    assert reason in result.stderr
+    assert took < 120  # not the 600-s batch timeout, nor a wait without end
     api.stop()
 
 

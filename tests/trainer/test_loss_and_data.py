@@ -69,6 +69,32 @@ def test_ratio_is_clipped_against_inference_logprobs() -> None:
     assert loss.item() == pytest.approx((math.e + 1.0) / 2, rel=1e-5)
 
 
+def test_clip_delta_caps_the_ratio_of_negative_advantage_tokens_only() -> None:
+    """Dual clipping (TRL's delta, verl's clip_ratio_c): a token whose probability grew more
+    than delta-fold since sampling and whose advantage is negative costs delta*|A| and adds no
+    gradient; below delta, or with a positive advantage, the loss is the standard one."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    mask = torch.ones(1, 3)
+    # ratios e^2 (7.39, above delta 3), e^0.5 (1.65, below it) and 1
+    old = torch.tensor([[-3.0, -1.5, -1.0]])
+    standard, plain = grpo_loss(logp, -torch.ones(1, 3), mask, old, clip_eps=0.2)
+    assert standard.item() == pytest.approx((math.exp(2) + math.exp(0.5) + 1) / 3, rel=1e-5)
+    assert plain["ratio_max"] == pytest.approx(math.exp(2), rel=1e-5)
+    assert plain["delta_clipped_fraction"] == 0.0
+    loss, metrics = grpo_loss(logp, -torch.ones(1, 3), mask, old, clip_eps=0.2, clip_delta=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx((3.0 + math.exp(0.5) + 1) / 3, rel=1e-5)
+    assert logp.grad[0, 0].item() == 0.0
+    assert logp.grad[0, 1].item() == pytest.approx(math.exp(0.5) / 3, rel=1e-5)
+    assert metrics["delta_clipped_fraction"] == pytest.approx(1 / 3)
+    # a positive advantage is clipped at 1 + eps as before: delta changes nothing
+    a, _ = grpo_loss(logp, torch.ones(1, 3), mask, old, clip_eps=0.2, clip_delta=3.0)
+    b, _ = grpo_loss(logp, torch.ones(1, 3), mask, old, clip_eps=0.2)
+    assert a.item() == pytest.approx(b.item())
+    with pytest.raises(ValueError, match="clip_delta must be greater than 1 \\+ clip_eps"):
+        grpo_loss(logp, torch.ones(1, 3), mask, old, clip_eps=0.2, clip_delta=1.1)
+
+
 def test_token_and_sequence_normalisation_differ_as_documented() -> None:
     logp = torch.zeros(2, 4, requires_grad=True)
     adv = torch.tensor([[1.0] * 4, [2.0] * 4])

@@ -21,6 +21,7 @@ from example_trainer.config import load_config
 from example_trainer.data import prepare_batch
 from example_trainer.grpo import (
     compute_dtype,
+    is_grad_spike,
     load_policy,
     make_optimizer,
     resolve_dtype,
@@ -39,11 +40,13 @@ def _config(model: Path, dtype: str, lr: float = 2e-5):
     )
 
 
-def _step(model: torch.nn.Module, config, *, optimizer=None) -> dict[str, float]:
+def _step(
+    model: torch.nn.Module, config, *, optimizer=None, scheduler=None, recent=()
+) -> dict[str, float]:
     batch = prepare_batch(_sample_batch(model.config.vocab_size, common=8), 3, pack_tokens=64)
     optimizer = optimizer or make_optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return train_step(model, optimizer, scheduler, batch, config)
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return train_step(model, optimizer, scheduler, batch, config, recent_grad_norms=recent)
 
 
 def _changed(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> float:
@@ -202,3 +205,37 @@ def test_a_server_computing_in_another_dtype_is_named_in_a_warning(
     assert message is not None and message in caplog.text
     assert "computes in float32, this trainer in bfloat16" in message
     assert "--dtype bfloat16" in message and "--dtype float32" in message
+
+
+def test_a_gradient_spike_skips_the_optimizer_step(tiny_model_dir: Path) -> None:
+    """skip_grad_spikes: a gradient norm more than that many times the median of the last
+    steps' leaves the weights, AdamW's state and the schedule as they were; the step after a
+    normal one moves them."""
+    assert not is_grad_spike(50.0, [1.0, 1.0, 1.0], 4.0)  # too few earlier steps to judge
+    assert is_grad_spike(5.0, [1.0, 1.2, 0.9, 1.1], 4.0)
+    assert not is_grad_spike(4.0, [1.0, 1.2, 0.9, 1.1], 4.0)
+    assert not is_grad_spike(50.0, [1.0, 1.2, 0.9, 1.1], None)
+    assert is_grad_spike(float("nan"), [1.0, 1.2, 0.9, 1.1], 4.0)
+    # only the last eight count
+    assert not is_grad_spike(5.0, [0.1] * 8 + [2.0] * 8, 4.0)
+
+    config = load_config(
+        ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
+        + ["--warmup-steps", "2", "--inference", "none", "--skip-grad-spikes", "4"]
+    )
+    model, _ = load_policy(str(tiny_model_dir), config)
+    optimizer = make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2))
+    before = _snapshot(model)
+    lr = scheduler.get_last_lr()[0]
+    metrics = _step(model, config, optimizer=optimizer, scheduler=scheduler, recent=[1e-4] * 4)
+    assert metrics["grad_spike_skipped"] == 1.0 and metrics["optimizer_step"] == 0.0
+    assert metrics["grad_norm"] > 4e-4
+    assert _changed(model, before) == 0.0
+    assert not optimizer.state and scheduler.get_last_lr()[0] == lr
+    assert all(p.grad is None for p in model.parameters())
+    # the same batch against norms like its own is a normal step
+    norm = metrics["grad_norm"]
+    metrics = _step(model, config, optimizer=optimizer, scheduler=scheduler, recent=[norm] * 4)
+    assert metrics["grad_spike_skipped"] == 0.0 and metrics["optimizer_step"] == 1.0
+    assert _changed(model, before) > 0.5 and scheduler.get_last_lr()[0] > lr
