@@ -25,7 +25,8 @@ into ``OUTPUT/evals/LABEL``.
 
 ``--recipe NAME`` picks a tested set of settings (see ``example_trainer/recipes.py``); any flag
 given on the command line still wins. ``--resume`` continues an interrupted run in the same
-output folder. Every child is stopped on exit, on Ctrl-C and on SIGTERM.
+output folder; without it, what an earlier run wrote there is first moved to
+``OUTPUT/previous/<time>``. Every child is stopped on exit, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -402,10 +403,18 @@ def run(args: QuickstartOptions) -> int:
 
     out = Path(args.output).expanduser().resolve()
     logs, checkpoints = out / "logs", out / "checkpoints"
+    console = logging.getLogger("atropos-quickstart")
+    if not args.resume:
+        moved = set_aside_previous_run(out)
+        if moved is not None:
+            console.info(
+                "%s held an earlier run: moved to %s (--resume continues a run instead)",
+                out,
+                moved,
+            )
     logs.mkdir(parents=True, exist_ok=True)
     rollouts = out / "rollouts.jsonl"
     metrics_file = out / "metrics.jsonl"
-    console = logging.getLogger("atropos-quickstart")
     if args.recipe:
         console.info("recipe %s: %s", args.recipe, RECIPES[args.recipe].summary)
     (out / "quickstart_args.json").write_text(json.dumps(args.model_dump(), indent=2))
@@ -736,6 +745,48 @@ def _serve_dtype(config: Any) -> str:
 def _append(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as handle:
         handle.write(json.dumps(record) + "\n")
+
+
+#: what a run writes into its --output folder (what :func:`set_aside_previous_run` moves)
+RUN_FILES = (
+    "metrics.jsonl",
+    "rollouts*.jsonl",
+    "rollouts*.html",
+    "eval_before.json",
+    "eval_after.json",
+    "evals",
+    "logs",
+    "checkpoints",
+    "final_model",
+    "configs",
+    "quickstart_args.json",
+    "run-api-metrics.json",
+    "run_summary.json",
+    "training_curves.png",
+)
+
+
+def set_aside_previous_run(out: Path) -> Path | None:
+    """Move what an earlier run wrote into ``out`` to ``out/previous/<time>``, so that a new run
+    starts with its own metrics, rollouts and evaluations (appended to the earlier run's, its
+    curves, table and time budget would mix both). Only a run's own files move (:data:`RUN_FILES`;
+    nothing else in ``out`` is touched), and only when there is a run's record
+    (``metrics.jsonl``, rollouts or an evaluation). Returns the new folder, or
+    None when there was nothing to move."""
+    records = ("metrics.jsonl", "eval_before.json", "eval_after.json")
+    if not any((out / name).exists() for name in records) and not any(out.glob("rollouts*.jsonl")):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = out / "previous" / stamp
+    n = 1
+    while target.exists():
+        n += 1
+        target = out / "previous" / f"{stamp}-{n}"
+    target.mkdir(parents=True)
+    for pattern in RUN_FILES:
+        for path in sorted(out.glob(pattern)):
+            path.rename(target / path.name)
+    return target
 
 
 def _resume_weights(checkpoints: Path, model_dir: str) -> str:

@@ -536,7 +536,13 @@ def test_quickstart_evaluates_the_last_step_when_the_budget_ends_a_wait(
 ) -> None:
     """The env stops once run-api holds data for its total_steps (2; it sends a little ahead),
     well short of --steps 6: the trainer's wait for the next batch ends with the time budget,
-    and the last step's weights get the "after" evaluation."""
+    and the last step's weights get the "after" evaluation. The output folder held an earlier
+    run: its files are moved aside, so the new run's records are its own."""
+    out = tmp_path / "out"
+    (out / "final_model").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    (out / "eval_before.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")  # not a run's file: stays
     proc = _quickstart(
         tmp_path, tiny_model_dir, 6, free_port(), free_port(),
         "--eval", "--env-arg", "env.num_eval_problems=10", "--env-arg", "env.total_steps=2",
@@ -544,7 +550,6 @@ def test_quickstart_evaluates_the_last_step_when_the_budget_ends_a_wait(
     )  # fmt: skip
     output, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, output[-4000:]
-    out = tmp_path / "out"
     found = re.search(
         r"step (\d) is the last one: time budget 1 min 15 s: no batch for step (\d) within", output
     )
@@ -553,11 +558,19 @@ def test_quickstart_evaluates_the_last_step_when_the_budget_ends_a_wait(
     assert 2 <= last < 6 and int(found.group(2)) == last + 1
     assert f"steps         {last} of up to 6 (time budget 1 min 15 s: no batch for step" in output
     records = _metrics(out)
-    # the trainer's steps, then the "after" evaluation of the last step's weights
+    # the trainer's steps, then the "after" evaluation of the last step's weights (not step 7
+    # of the earlier run)
     assert [r["step"] for r in records] == [0, *range(1, last + 1), last]
     assert "eval/percent_correct" in records[-1] and "reward_mean" not in records[-1]
     assert (out / "eval_after.json").is_file() and (out / "final_model" / "config.json").is_file()
     assert "held-out (greedy)" in output
+    (earlier,) = (out / "previous").iterdir()
+    assert f"{out} held an earlier run: moved to {earlier}" in output
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 7, "loss": 1.0}\n'
+    assert sorted(p.name for p in earlier.iterdir()) == [
+        "eval_before.json", "final_model", "metrics.jsonl",
+    ]  # fmt: skip
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
