@@ -171,3 +171,32 @@ def test_below_min_steps_a_batch_that_never_comes_ends_training_with_a_warning(
     assert "1 of min_steps 10 taken" in budget.reason
     assert "no batch for step 2 within 2 min 5 s" in budget.reason
     assert any(r.levelname == "WARNING" and "min_steps" in r.getMessage() for r in caplog.records)
+
+
+def test_the_summary_counts_the_steps_skipped_for_a_gradient_spike(
+    tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run whose trainer skipped optimizer steps (skip_grad_spikes) says which, at the end."""
+    import json
+
+    records = [
+        {"step": 0, "eval/percent_correct": 0.1},
+        {"step": 1, "loss": 0.1, "grad_spike_skipped": 0.0},
+        {"step": 2, "loss": 0.1, "grad_spike_skipped": 1.0},
+        {"step": 3, "loss": 0.1, "grad_spike_skipped": 0.0},
+        {"step": 4, "loss": 0.1, "grad_spike_skipped": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = quickstart.parse_args(["--output", str(tmp_path)])
+    quickstart._summary(
+        tmp_path, tmp_path / "rollouts.jsonl", tmp_path / "checkpoints", None,
+        tmp_path / "logs", 12.0, args,
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "skipped       2 optimizer step(s) for a gradient spike (step 2, 4" in err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
+    quickstart._summary(
+        tmp_path, tmp_path / "rollouts.jsonl", tmp_path / "checkpoints", None,
+        tmp_path / "logs", 12.0, args,
+    )  # fmt: skip
+    assert "gradient spike" not in capsys.readouterr().err
