@@ -9,10 +9,10 @@ last one: it is saved as ``final_model`` and synced like any last step. The wait
 batch is bounded too: a batch that does not come while its training and the end would still fit
 (late in a run most groups can score alike and be dropped, so one wait can take minutes) ends
 training at the step before it. Before ``min_steps`` the trainer waits until the budget has run
-out, and at least ``patience`` for each batch (2 minutes, or a quarter of a shorter budget): a batch that has not come by then ends
-training short of ``min_steps`` with a warning (an environment whose groups all score alike
-sends none, however long it runs). The step being trained always finishes, so the budget is a
-target, not a hard limit.
+out, and at least ``patience`` for each batch (2 minutes, or a quarter of a shorter budget): a
+batch that has not come by then ends training short of ``min_steps`` with a warning (an
+environment whose groups all score alike sends none, however long it runs). The step being
+trained always finishes, so the budget is a target, not a hard limit.
 """
 
 from __future__ import annotations
