@@ -338,11 +338,18 @@ def is_grad_spike(grad_norm: float, recent: Sequence[float], factor: float | Non
     that took an optimizer step). Never with ``factor`` None or fewer than
     :data:`GRAD_SPIKE_MIN_HISTORY` earlier norms; a norm that is not finite is always one once
     skipping is on (clipping cannot rescue it)."""
-    if factor is None or len(recent) < GRAD_SPIKE_MIN_HISTORY:
+    baseline = grad_norm_baseline(recent)
+    if factor is None or baseline is None:
         return False
-    if not math.isfinite(grad_norm):
-        return True
-    return grad_norm > factor * statistics.median(recent[-GRAD_SPIKE_WINDOW:])
+    return not math.isfinite(grad_norm) or grad_norm > factor * baseline
+
+
+def grad_norm_baseline(recent: Sequence[float]) -> float | None:
+    """The median of the last :data:`GRAD_SPIKE_WINDOW` of ``recent``, the norm a spike is
+    measured against; None with fewer than :data:`GRAD_SPIKE_MIN_HISTORY`."""
+    if len(recent) < GRAD_SPIKE_MIN_HISTORY:
+        return None
+    return statistics.median(recent[-GRAD_SPIKE_WINDOW:])
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -532,7 +539,7 @@ def train(
                     step + 1,
                     metrics["grad_norm"],
                     config.skip_grad_spikes,
-                    statistics.median(grad_norms[-GRAD_SPIKE_WINDOW:]),
+                    grad_norm_baseline(grad_norms),
                 )
             elif metrics["optimizer_step"]:
                 grad_norms.append(metrics["grad_norm"])

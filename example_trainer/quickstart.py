@@ -32,7 +32,6 @@ output folder; without it, what an earlier run wrote there is first moved to
 from __future__ import annotations
 
 import _thread
-import contextlib
 import json
 import logging
 import os
@@ -747,13 +746,12 @@ def _append(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
+#: a run's records: an --output holding one of them holds an earlier run
+RUN_RECORDS = ("metrics.jsonl", "rollouts*.jsonl", "eval_before.json", "eval_after.json")
 #: what a run writes into its --output folder (what :func:`set_aside_previous_run` moves)
 RUN_FILES = (
-    "metrics.jsonl",
-    "rollouts*.jsonl",
+    *RUN_RECORDS,
     "rollouts*.html",
-    "eval_before.json",
-    "eval_after.json",
     "evals",
     "logs",
     "checkpoints",
@@ -771,10 +769,8 @@ def set_aside_previous_run(out: Path) -> Path | None:
     starts with its own metrics, rollouts and evaluations (appended to the earlier run's, its
     curves, table and time budget would mix both). Only a run's own files move (:data:`RUN_FILES`;
     nothing else in ``out`` is touched), and only when there is a run's record
-    (``metrics.jsonl``, rollouts or an evaluation). Returns the new folder, or
-    None when there was nothing to move."""
-    records = ("metrics.jsonl", "eval_before.json", "eval_after.json")
-    if not any((out / name).exists() for name in records) and not any(out.glob("rollouts*.jsonl")):
+    (:data:`RUN_RECORDS`). Returns the new folder, or None when there was nothing to move."""
+    if not any(any(out.glob(pattern)) for pattern in RUN_RECORDS):
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = out / "previous" / stamp
@@ -883,14 +879,9 @@ def _summary(
 
 def _spike_steps(metrics: Path) -> list[int]:
     """The steps of ``metrics.jsonl`` whose optimizer step was skipped for a gradient spike."""
-    steps = []
-    with contextlib.suppress(OSError):
-        for line in metrics.read_text().splitlines():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                record = json.loads(line)
-                if record.get("grad_spike_skipped"):
-                    steps.append(int(record["step"]))
-    return steps
+    from example_trainer.report import read_metrics
+
+    return [int(r["step"]) for r in read_metrics(metrics) if r.get("grad_spike_skipped")]
 
 
 _interrupted = False
