@@ -104,6 +104,13 @@ class TrainingConfig(BaseModel):
         "steps). Needs 4 earlier steps; each skip is logged (grad_spike_skipped) and warned "
         "about. null: never skip.",
     )
+    freeze_embeddings: bool = Field(
+        default=False,
+        description="Keep the token embeddings fixed (and the output layer, where the model "
+        "ties the two, as SmolLM2 and Qwen2.5's small models do): only the transformer layers "
+        "train. With AdamW every row of a tied output layer moves by about the learning rate "
+        "each step, rare tokens included, whose gradients are noise.",
+    )
     device: str = Field(
         default_factory=_default_device,
         description="Torch device for training: cuda when available, else cpu.",

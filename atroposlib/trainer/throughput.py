@@ -12,8 +12,9 @@ Three token counts describe one optimizer step, and they differ by large factors
 Model FLOPs use the usual estimate of 6 FLOPs per parameter per token for forward plus backward
 (2 forward, 4 backward), applied to the transformer body (every parameter but the embeddings) at
 each computed position, and to the output head only where it runs (trained positions, for a
-trainer that computes logits there only). Attention score FLOPs (a few percent at short
-contexts) are left out, so MFU is slightly understated.
+trainer that computes logits there only; 4 for a frozen head, whose weights get no gradient).
+Attention score FLOPs (a few percent at short contexts) are left out, so MFU is slightly
+understated.
 
 MFU is that FLOP rate divided by a *measured* peak: the best rate of large dense matrix
 products on the same device, dtype and thread count (:func:`measure_gemm_peak`,
@@ -57,16 +58,21 @@ class ModelFlops:
     """Every parameter but the input embedding and the output head."""
     head_params: int
     """The output projection (vocabulary x hidden), tied to the embedding or not."""
+    head_trained: bool = True
+    """False when the head is frozen: its backward computes the gradient of its input only
+    (4 FLOPs per parameter per token instead of 6)."""
 
     def training_flops(self, computed_tokens: int, head_tokens: int) -> float:
         """Forward + backward FLOPs: the body at ``computed_tokens`` positions, the head at
         ``head_tokens`` positions (all computed positions for a plain ``model(...).logits``)."""
-        return 6.0 * (self.body_params * computed_tokens + self.head_params * head_tokens)
+        head = 6.0 if self.head_trained else 4.0
+        return 6.0 * self.body_params * computed_tokens + head * self.head_params * head_tokens
 
 
 def model_flops(model: Any) -> ModelFlops:
     """Parameter counts of a Hugging Face causal LM (``get_input_embeddings`` /
-    ``get_output_embeddings``); a tied head counts once, as the head."""
+    ``get_output_embeddings``); a tied head counts once, as the head, and a frozen one
+    (``requires_grad`` off) as not trained."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     ids = set()
@@ -75,7 +81,8 @@ def model_flops(model: Any) -> ModelFlops:
             ids.update(id(p) for p in module.parameters())
     body = sum(p.numel() for p in model.parameters() if id(p) not in ids)
     head_params = 0 if head is None else int(head.weight.numel())
-    return ModelFlops(body_params=int(body), head_params=head_params)
+    trained = head is None or bool(head.weight.requires_grad)
+    return ModelFlops(body_params=int(body), head_params=head_params, head_trained=trained)
 
 
 def _key(device: str, dtype: str, threads: int) -> str:

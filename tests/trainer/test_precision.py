@@ -21,6 +21,7 @@ from example_trainer.config import load_config
 from example_trainer.data import prepare_batch
 from example_trainer.grpo import (
     compute_dtype,
+    freeze_embeddings,
     is_grad_spike,
     load_policy,
     make_optimizer,
@@ -239,3 +240,43 @@ def test_a_gradient_spike_skips_the_optimizer_step(tiny_model_dir: Path) -> None
     metrics = _step(model, config, optimizer=optimizer, scheduler=scheduler, recent=[norm] * 4)
     assert metrics["grad_spike_skipped"] == 0.0 and metrics["optimizer_step"] == 1.0
     assert _changed(model, before) > 0.5 and scheduler.get_last_lr()[0] > lr
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_frozen_embeddings_stay_put_while_the_layers_train(
+    tiny_model_dir: Path, tied: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """freeze_embeddings: the token embeddings (and a head tied to them) are left out of AdamW
+    and keep their values through a real step; every other weight moves, an untied head too;
+    the FLOP count drops the frozen head's weight gradient."""
+    from atroposlib.trainer.throughput import model_flops
+
+    config = load_config(
+        ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32"]
+        + ["--warmup-steps", "0", "--inference", "none", "--freeze-embeddings"]
+    )
+    assert config.freeze_embeddings
+    model, _ = load_policy(str(tiny_model_dir), config)
+    if tied:  # as SmolLM2 is
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    trained_flops = model_flops(model)
+    frozen, was_tied = freeze_embeddings(model)
+    embedding = model.get_input_embeddings().weight
+    assert frozen == embedding.numel() and was_tied == tied
+    optimizer = make_optimizer(model, config)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(embedding) not in in_optimizer
+    head = model.get_output_embeddings().weight
+    assert (id(head) in in_optimizer) == (not tied)
+    flops = model_flops(model)
+    assert flops.head_trained == (not tied)
+    if tied:  # the head's backward computes its input's gradient only: 4 FLOPs, not 6
+        assert flops.training_flops(10, 10) == pytest.approx(
+            trained_flops.training_flops(10, 10) - 2 * 10 * flops.head_params
+        )
+    before = _snapshot(model)
+    metrics = _step(model, config, optimizer=optimizer)
+    assert metrics["optimizer_step"] == 1.0
+    for name, param in model.named_parameters():
+        moved = bool((param.detach() != before[name]).any())
+        assert moved == (param is not embedding), name

@@ -35,6 +35,9 @@ def test_step_figures_count_what_they_say() -> None:
     )  # fmt: skip
     assert full["model_flops_per_s"] == pytest.approx(6 * (1_000 + 200) * 300)
     assert "mfu" not in full  # no peak, no mfu
+    # a frozen head: forward and its input's gradient, no weight gradient
+    frozen = ModelFlops(body_params=1_000, head_params=200, head_trained=False)
+    assert frozen.training_flops(300, 50) == pytest.approx(6 * 1_000 * 300 + 4 * 200 * 50)
 
 
 @pytest.mark.parametrize("tied", [False, True])
