@@ -139,6 +139,14 @@ class MathVerifyEnvConfig(LocalEnvConfig):
         "miss the answer. Not in the gsm8k-format recipe: there a run learned to finish "
         "without a box (0.0% well-formed) and then had no signal left",
     )
+    strict_answer: bool = Field(
+        default=False,
+        description="Count a reply right only when its final answer is well formed (it ended "
+        "within the budget with exactly one \\boxed{} holding a number: format_reward's rule). "
+        "Off (upstream), a right number in any box counts, also in a reply that the budget cut "
+        "off while it repeated boxes, so a loop that boxes a number from the question scores "
+        "above a well-formed wrong answer when that number happens to be the answer",
+    )
     format_min_tokens: int = Field(
         default=0,
         ge=0,
@@ -285,11 +293,14 @@ class MathVerifyEnv(BaseEnv):
         return pairs
 
     def _score_sample(self, sample: Sample, gold_parsed: Any) -> float:
-        """1 for the right answer, -1 otherwise, plus format credit for a reply of enough
-        tokens: finished (``finish_reward``), and with exactly one box (``box_reward``,
-        ``format_reward``)."""
+        """1 for the right answer (a well-formed one with ``strict_answer``), -1 otherwise,
+        plus format credit for a reply of enough tokens: finished (``finish_reward``), and with
+        exactly one box (``box_reward``, ``format_reward``)."""
         parsed = math_scoring.parse_response(sample.text)
-        score = 1.0 if math_scoring.verify_answer(parsed, gold_parsed) else -1.0
+        right = math_scoring.verify_answer(parsed, gold_parsed)
+        if right and self.config.strict_answer:
+            right = math_scoring.final_boxed_number(sample.text, sample.finish_reason) is not None
+        score = 1.0 if right else -1.0
         if sample.trainable_tokens < self.config.format_min_tokens:
             return score
         if sample.finish_reason == "stop":  # not cut off ("length") or aborted

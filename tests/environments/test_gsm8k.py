@@ -159,6 +159,12 @@ def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
     # a right answer counts (+1) however the reply ends, the format credit only for a finished
     # reply with one box; two boxes parse as the set {36, 18}, which is not the answer
     assert group["scores"] == [2.5, -1.0, 1.0, -1.0]
+    # strict_answer: only a well-formed final answer can be right; a loop that repeats the
+    # right number in boxes until the budget cuts it off scores as wrong
+    gsm8k_env.config.strict_answer = True
+    samples.append(fake_sample("So \\boxed{18} \\boxed{18} \\boxed{18}", finish_reason="length"))
+    group = gsm8k_env.score_samples(samples, "18")
+    assert group["scores"] == [2.5, -1.0, -1.0, -1.0, -1.0]
 
 
 def test_finish_reward_splits_groups_that_all_miss(gsm8k_env) -> None:
