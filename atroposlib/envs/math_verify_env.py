@@ -97,6 +97,15 @@ class MathVerifyEnvConfig(LocalEnvConfig):
     min_completion_tokens: int = Field(
         default=10, ge=0, description="Drop completions with fewer trainable tokens (upstream: 10)"
     )
+    refill_short: int = Field(
+        default=2,
+        ge=0,
+        description="Rounds of new replies sampled for those dropped as too short "
+        "(min_completion_tokens), so that a group keeps group_size replies. A short group packs "
+        "into a batch of whole groups only beside other short ones (a batch of 32 from groups "
+        "of 16 never takes a group of 15): it waited in run-api's queue until the run ended. "
+        "0: upstream's behaviour, the group is sent short (group_overrides.group_size)",
+    )
     length_penalty: bool = Field(
         default=True, description="Penalise long answers when the whole group is correct"
     )
@@ -263,10 +272,42 @@ class MathVerifyEnv(BaseEnv):
             for temperature, count in self.group_temperatures()
         ]
         samples = [sample for drawn in await asyncio.gather(*draws) for sample in drawn]
+        samples = await self.refill_short_samples(messages, samples)
         # each sample records the temperature it was drawn at (Sample.generation_params), and
         # the group carries it (per sequence when they differ), so the trainer scales its
         # logits by it
         return self.score_samples(samples, self.gold_for(item)), []
+
+    async def refill_short_samples(
+        self, messages: list[dict[str, Any]], samples: list[Sample]
+    ) -> list[Sample]:
+        """``samples`` with each reply under ``min_completion_tokens`` replaced by a new one
+        sampled at the same temperature, for up to ``refill_short`` rounds (replies still short
+        after them are dropped by :meth:`score_samples`). Counted as ``train/refilled``."""
+        minimum = self.config.min_completion_tokens
+        refilled = 0
+        for _ in range(self.config.refill_short):
+            short = [s for s in samples if s.trainable_tokens < minimum]
+            if not short:
+                break
+            counts: dict[float, int] = {}
+            for sample in short:
+                temperature = float(
+                    sample.generation_params.get("temperature", self.sampling_temperature())
+                )
+                counts[temperature] = counts.get(temperature, 0) + 1
+            draws = [
+                sample_chat_group(
+                    self, messages, n=count, max_tokens=self.budget, temperature=temperature
+                )
+                for temperature, count in counts.items()
+            ]
+            samples = [s for s in samples if s.trainable_tokens >= minimum] + [
+                sample for drawn in await asyncio.gather(*draws) for sample in drawn
+            ]
+            refilled += len(short)
+        self.log_train_metric("train/refilled", [float(refilled)])
+        return samples
 
     def sampling_temperature(self) -> float:
         """The training temperature now: ``temperature``, or on the way to

@@ -167,6 +167,62 @@ def test_format_reward_needs_a_finished_reply_with_one_box(gsm8k_env) -> None:
     assert group["scores"] == [2.5, -1.0, -1.0, -1.0, -1.0]
 
 
+def test_short_replies_are_replaced_so_groups_stay_whole(tiny_serve, tiny_model_dir: Path) -> None:
+    """A reply under min_completion_tokens is dropped; refill_short samples a new one at its
+    temperature from the real server, so the group keeps group_size replies (a group of 15
+    never packs into a batch of 32 from groups of 16). 0 keeps upstream's short group."""
+    import asyncio
+
+    from atroposlib.envs.runtime import shutdown_env
+
+    config, _ = GSM8kEnv.config_init()
+    config = config.model_copy(
+        update={
+            "tokenizer_name": str(tiny_model_dir),
+            "use_wandb": False,
+            "group_size": 4,
+            "max_token_length": 64,
+            "min_completion_tokens": 4,
+            "max_answer_tokens": 8,
+        }
+    )
+    server = APIServerConfig(
+        model_name="tiny",
+        base_url=tiny_serve.url + "/v1",
+        tokenizer_name=str(tiny_model_dir),
+        server_type="atropos-serve",
+    )
+    env = GSM8kEnv(config, [server])
+    messages = env.messages_for("Natalia sold 48 clips. How many?")
+
+    def fake(n_tokens: int, temperature: float) -> Sample:
+        sample = fake_sample("x", n_tokens=n_tokens)
+        sample.generation_params = {"temperature": temperature}
+        return sample
+
+    long_ones = [fake(20, 1.0), fake(20, 1.0)]
+    samples = [long_ones[0], fake(2, 0.0), long_ones[1], fake(1, 0.0)]
+
+    async def refill(rounds: int) -> list[Sample]:
+        env.config.refill_short = rounds
+        try:
+            return await env.refill_short_samples(messages, samples)
+        finally:
+            await shutdown_env(env)
+
+    assert asyncio.run(refill(0)) == samples
+    refilled = asyncio.run(refill(2))
+    assert len(refilled) == 4 and refilled[:2] == long_ones
+    new = refilled[2:]
+    # the server's greedy reply, twice: real tokens and log-probs at the dropped temperature
+    assert all(s.generation_params.get("temperature") == 0.0 for s in new)
+    assert new[0].tokens == new[1].tokens and new[0].logprobs is not None
+    assert all(s.trainable_tokens >= 4 for s in new)
+    group = env.score_samples(refilled, "72")
+    assert group is not None and len(group["tokens"]) == 4
+    assert "group_size" not in (group.get("group_overrides") or {})
+
+
 def test_finish_reward_splits_groups_that_all_miss(gsm8k_env) -> None:
     """The base model loops until the budget cuts 84% of its replies off and almost never
     boxes: nearly every group scored -1 throughout and was dropped as flat. A reply that ends
