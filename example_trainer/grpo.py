@@ -197,25 +197,21 @@ def load_policy(source: str, config: TrainingConfig) -> tuple[torch.nn.Module, A
 
 def freeze_embeddings(model: torch.nn.Module) -> tuple[int, bool]:
     """Stop training ``model``'s input embeddings, and with them its output layer when the two
-    are one tensor (tied); an untied output layer keeps training. Returns the number of
-    parameters frozen and whether the output layer is among them. Optimizers built afterwards
-    (:func:`make_optimizer`, Hugging Face's ``Trainer``) leave them out."""
+    are one tensor (tied); an untied output layer keeps training. Logs what stays fixed and
+    returns the number of parameters frozen and whether the output layer is among them.
+    Optimizers built afterwards (:func:`make_optimizer`, Hugging Face's ``Trainer``) leave them
+    out."""
     weight = model.get_input_embeddings().weight
     weight.requires_grad_(False)
     output = model.get_output_embeddings()
-    return weight.numel(), output is not None and output.weight is weight
-
-
-def log_frozen(model: torch.nn.Module) -> None:
-    """Freeze ``model``'s embeddings (:func:`freeze_embeddings`) and say what stays fixed."""
-    frozen, tied = freeze_embeddings(model)
-    total = sum(p.numel() for p in model.parameters())
+    tied = output is not None and output.weight is weight
     logger.info(
         "freeze_embeddings: %.1fM of %.1fM parameters fixed (the token embeddings%s)",
-        frozen / 1e6,
-        total / 1e6,
+        weight.numel() / 1e6,
+        sum(p.numel() for p in model.parameters()) / 1e6,
         ", tied with the output layer" if tied else "; the untied output layer trains",
     )
+    return weight.numel(), tied
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
@@ -423,7 +419,7 @@ def train(
     start_model = str(resume_from or resolve_model_source(config.model_name))
     model, tokenizer = load_policy(start_model, config)
     if config.freeze_embeddings:
-        log_frozen(model)
+        freeze_embeddings(model)
     precision = resolve_precision(config)
     warn_if_updates_round_away(model, config)
     with autocast(config):  # the paths are compared in the precision they will run in

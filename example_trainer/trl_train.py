@@ -40,7 +40,7 @@ from typing import Any
 
 from example_trainer.checkpoint import space_errors, tensor_bytes
 from example_trainer.config import TrainingConfig
-from example_trainer.grpo import StepCallback, log_frozen, resolve_precision
+from example_trainer.grpo import StepCallback, freeze_embeddings, resolve_precision
 
 logger = logging.getLogger("example_trainer.trl")
 
@@ -130,7 +130,7 @@ def train_trl(
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if config.freeze_embeddings:
-        log_frozen(model)  # TRL's Trainer builds its optimizer from the trainable parameters
+        freeze_embeddings(model)  # TRL's Trainer builds its optimizer from the trainable parameters
     args = grpo_config(config, num_generations=num_generations, temperature=temperature)
     sync = weight_sync_client("atropos-serve", config.inference_url)
     sync.start(source, policy_version=0)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -265,18 +267,25 @@ class MathVerifyEnv(BaseEnv):
         self, item: dict[str, Any]
     ) -> tuple[ScoredDataGroup | None, list]:
         messages = self.messages_for(item["question"])
-        draws = [
-            sample_chat_group(
-                self, messages, n=count, max_tokens=self.budget, temperature=temperature
-            )
-            for temperature, count in self.group_temperatures()
-        ]
-        samples = [sample for drawn in await asyncio.gather(*draws) for sample in drawn]
+        samples = await self.sample_replies(messages, self.group_temperatures())
         samples = await self.refill_short_samples(messages, samples)
         # each sample records the temperature it was drawn at (Sample.generation_params), and
         # the group carries it (per sequence when they differ), so the trainer scales its
         # logits by it
         return self.score_samples(samples, self.gold_for(item)), []
+
+    async def sample_replies(
+        self, messages: list[dict[str, Any]], pairs: Iterable[tuple[float, int]]
+    ) -> list[Sample]:
+        """Replies to ``messages``: for each ``(temperature, count)`` pair, ``count`` of them
+        sampled at that temperature, all requests at once."""
+        draws = [
+            sample_chat_group(
+                self, messages, n=count, max_tokens=self.budget, temperature=temperature
+            )
+            for temperature, count in pairs
+        ]
+        return [sample for drawn in await asyncio.gather(*draws) for sample in drawn]
 
     async def refill_short_samples(
         self, messages: list[dict[str, Any]], samples: list[Sample]
@@ -290,21 +299,12 @@ class MathVerifyEnv(BaseEnv):
             short = [s for s in samples if s.trainable_tokens < minimum]
             if not short:
                 break
-            counts: dict[float, int] = {}
-            for sample in short:
-                temperature = float(
-                    sample.generation_params.get("temperature", self.sampling_temperature())
-                )
-                counts[temperature] = counts.get(temperature, 0) + 1
-            draws = [
-                sample_chat_group(
-                    self, messages, n=count, max_tokens=self.budget, temperature=temperature
-                )
-                for temperature, count in counts.items()
-            ]
-            samples = [s for s in samples if s.trainable_tokens >= minimum] + [
-                sample for drawn in await asyncio.gather(*draws) for sample in drawn
-            ]
+            default = self.sampling_temperature()
+            temperatures = Counter(
+                float(s.generation_params.get("temperature", default)) for s in short
+            )
+            kept = [s for s in samples if s.trainable_tokens >= minimum]
+            samples = kept + await self.sample_replies(messages, temperatures.items())
             refilled += len(short)
         self.log_train_metric("train/refilled", [float(refilled)])
         return samples

@@ -244,7 +244,7 @@ def test_a_gradient_spike_skips_the_optimizer_step(tiny_model_dir: Path) -> None
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_frozen_embeddings_stay_put_while_the_layers_train(
-    tiny_model_dir: Path, tied: bool, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, tied: bool
 ) -> None:
     """freeze_embeddings: the token embeddings (and a head tied to them) are left out of AdamW
     and keep their values through a real step; every other weight moves, an untied head too;
